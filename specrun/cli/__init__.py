@@ -1,0 +1,40 @@
+"""The `specrun` command line: a thin click layer that fills config dataclasses and calls the packages.
+
+Subcommands live one module per concern: generate (one prompt), jobs (submit/resume/status/export).
+"""
+
+from __future__ import annotations
+
+import click
+
+from specrun import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="specrun")
+def main() -> None:
+    """Lossless speculative decoding for ultra-long generations, run as resumable jobs.
+
+    \b
+    Examples:
+      specrun generate --prompt "Once upon a time" --max-tokens 200
+      specrun submit prompts.jsonl --max-tokens 100000 --model /models/Llama-3.1-8B
+      specrun status specrun-jobs/prompts
+    """
+
+
+def _register() -> None:
+    from specrun.cli.generate import generate
+
+    main.add_command(generate)
+    try:
+        from specrun.cli import jobs
+    except ImportError:  # the job commands land separately
+        return
+    for name in ("submit", "resume", "status", "export"):
+        cmd = getattr(jobs, name, None)
+        if cmd is not None:
+            main.add_command(cmd)
+
+
+_register()

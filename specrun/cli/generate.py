@@ -1,0 +1,110 @@
+"""`specrun generate`: one prompt through the engine, streamed to the terminal or printed as one JSON object.
+
+Thin: validates flags into SamplingParams/EngineConfig, loads the model, calls Engine.generate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specrun.cli.options import engine_config_from, engine_options, model_options, sampling_options, sampling_params_from
+
+DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; its text is noise, not language."
+
+
+def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool):
+    """Load a model or raise a ClickException naming the bad value; warns on stderr for the demo model."""
+    from specrun.decoding.models import load_model
+
+    try:
+        lm = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"cannot load model {model!r}: {e}") from e
+    if lm.is_demo:
+        click.echo(DEMO_NOTICE, err=True)
+    return lm
+
+
+@click.command()
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Read the prompt text from this file.")
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Most new tokens to generate.")
+@model_options
+@sampling_options
+@engine_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (token_ids, text, finish_reason, stats).")
+def generate(prompt, prompt_file, max_tokens, model, dtype, device, trust_remote_code, as_json, **kw):
+    """Generate a continuation of one prompt with lossless speculative decoding.
+
+    The tokens are exactly those plain autoregressive decoding would produce for the same model, prompt, sampling
+    flags and seed; drafting only makes it faster.
+
+    \b
+    Examples:
+      specrun generate --prompt "Once upon a time" --max-tokens 200
+      specrun generate --model /models/Llama-3.1-8B --prompt-file p.txt --max-tokens 4096 --temperature 0.7 --seed 1
+      specrun generate --prompt "abcabc" --draft none --json
+    """
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt or --prompt-file")
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    params = sampling_params_from(kw, max_tokens)
+    config = engine_config_from(kw)
+    lm = load_for_cli(model, dtype, device, trust_remote_code)
+
+    from specrun.decoding.engine import Engine
+    from specrun.decoding.models import decode_tokens
+
+    prompt_ids = lm.tokenizer.encode(text, add_special_tokens=True)
+    if not prompt_ids:
+        raise click.ClickException("the prompt encodes to no tokens")
+    engine = Engine(lm, config)
+    stream = _Streamer(lm.tokenizer, enabled=not as_json)
+    try:
+        result = engine.generate(prompt_ids, params, on_step=stream)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    stream.finish()
+    s = result.stats
+    if as_json:
+        text_out = decode_tokens(lm.tokenizer, result.token_ids)
+        click.echo(json.dumps({"token_ids": result.token_ids, "text": text_out,
+                               "finish_reason": result.finish_reason, "stats": s}))
+    else:
+        click.echo(
+            f"[{len(result.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, "
+            f"{s['mean_accepted']:.2f} accepted/step, finish: {result.finish_reason}]",
+            err=True,
+        )
+
+
+class _Streamer:
+    """Prints the decoded text as it grows, holding back incomplete UTF-8 (decode of the suffix only)."""
+
+    def __init__(self, tokenizer, enabled: bool):
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.pending: list[int] = []
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if self.enabled:
+            from specrun.decoding.models import decode_tokens
+
+            self.pending.extend(tokens)
+            text = decode_tokens(self.tokenizer, self.pending)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                self.pending.clear()
+        return False
+
+    def finish(self) -> None:
+        if self.enabled:
+            from specrun.decoding.models import decode_tokens
+
+            sys.stdout.write(decode_tokens(self.tokenizer, self.pending) + "\n")
+            sys.stdout.flush()

@@ -1,0 +1,77 @@
+"""Flags shared by `generate`, `submit` and `bench`: model, sampling and drafting options, and their dataclasses.
+
+Each decorator adds a group of options; the matching `*_from` turns the parsed values into a validated config.
+"""
+
+from __future__ import annotations
+
+import click
+
+from specrun.decoding.drafters import DRAFTER_NAMES
+from specrun.decoding.engine import EngineConfig
+from specrun.decoding.sampling import SamplingParams
+
+
+def _stack(*decorators):
+    def apply(f):
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+
+    return apply
+
+
+model_options = _stack(
+    click.option("--model", "model", default="demo", show_default=True,
+                 help="Local Hugging Face model directory, or 'demo' for the built-in random-weight demo model."),
+    click.option("--dtype", type=click.Choice(["float32", "float64", "bfloat16", "float16"]), default="float32",
+                 show_default=True, help="Weights and activations dtype."),
+    click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
+    click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory."),
+)
+
+sampling_options = _stack(
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+    click.option("--top-p", type=float, default=1.0, show_default=True),
+    click.option("--min-p", type=float, default=0.0, show_default=True),
+    click.option("--eta", type=float, default=0.0, show_default=True, help="Eta sampling cutoff; 0 = off."),
+    click.option("--penalty", type=float, default=1.0, show_default=True,
+                 help="Contextual penalty theta over the last --penalty-window tokens; 1 = off."),
+    click.option("--penalty-window", type=int, default=1024, show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (EOS is then an ordinary token)."),
+)
+
+engine_options = _stack(
+    click.option("--draft", default=",".join(DRAFTER_NAMES), show_default=True,
+                 help=f"Drafters: 'none' for plain autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
+    click.option("--trie-budget", type=int, default=64, show_default=True, help="Most trie nodes verified per step."),
+    click.option("--ngram-topk", type=int, default=20, show_default=True,
+                 help="N-gram continuations proposed per step."),
+)
+
+
+def parse_draft(value: str) -> tuple[str, ...]:
+    value = value.strip()
+    if value in ("", "none"):
+        return ()
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+            min_p=kw["min_p"], eta=kw["eta"], penalty=kw["penalty"], penalty_window=kw["penalty_window"],
+            seed=kw["seed"], ignore_eos=kw["ignore_eos"],
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def engine_config_from(kw: dict) -> EngineConfig:
+    try:
+        return EngineConfig(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--draft/--trie-budget/--ngram-topk") from e

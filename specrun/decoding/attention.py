@@ -1,0 +1,50 @@
+"""Attention backends behind one switch, registered as a transformers attention function ("specrun").
+
+Each call writes the layer's new K/V into our cache and attends over [committed + new] with an explicit bool mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from specrun.decoding.kv_cache import KVCache
+
+ATTN_IMPL = "specrun"
+BACKENDS = ("sdpa",)
+
+
+@dataclass
+class ForwardContext:
+    """What one model forward needs beyond the transformers call: where to write, what to see."""
+
+    cache: KVCache
+    start: int  # first slot of this forward's tokens (= cache.length)
+    mask: torch.Tensor  # [T, start+T] bool, True = attend
+
+
+def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
+    """Reference backend on torch SDPA; GQA by folding query groups into the query axis (no K/V copies).
+
+    # q: [1, Hq, T, D], k/v: [1, Hkv, T, D] (post-RoPE) -> [1, T, Hq, D]
+    """
+    _, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    ctx.cache.write(layer, ctx.start, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]
+    qg = q[0].reshape(Hkv, G * T, D)  # query head h = kv_head * G + g
+    mask = ctx.mask.repeat(G, 1) if G > 1 else ctx.mask  # [G*T, S]
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)  # [Hkv, G*T, D]
+    return out.reshape(Hq, T, D).transpose(0, 1).unsqueeze(0)
+
+
+def _specrun_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    ctx: ForwardContext = kwargs["specrun_ctx"]
+    return sdpa_attention(ctx, module.layer_idx, query, key, value, scaling), None
+
+
+AttentionInterface.register(ATTN_IMPL, _specrun_attention)

@@ -1,0 +1,76 @@
+"""Drafters behind one protocol: start a generation, propose trees under the root, learn from verify and commits.
+
+Every drafter only proposes; verification decides, so no drafter can change the output (I1).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specrun.decoding.ngram import NGramPool
+from specrun.decoding.recycling import RecyclingMatrix
+from specrun.decoding.trie import Draft
+
+DRAFTER_NAMES = ("ngram", "recycling")
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, seq: list[int]) -> None: ...
+
+    def propose(self, root: int, source: int) -> list[Draft]: ...
+
+    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None: ...  # tokens: [T], logits: [T, V]
+
+    def commit(self, tokens: list[int]) -> None: ...
+
+
+class NGramDrafter:
+    """TokenSwift token reutilization: the root's most frequent 3-token continuations, as chains."""
+
+    name = "ngram"
+
+    def __init__(self, topk: int):
+        self.topk = topk
+        self.pool = NGramPool(n=4, topk=max(topk, 1))
+
+    def start(self, seq: list[int]) -> None:
+        self.pool.reset()
+        self.pool.extend(seq)
+
+    def propose(self, root: int, source: int) -> list[Draft]:
+        if self.topk == 0:
+            return []
+        return [Draft([root, *c], list(range(-1, len(c))), source) for c in self.pool.query(root, self.topk)]
+
+    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        self.pool.extend(tokens)
+
+
+class RecyclingDrafter:
+    """Token Recycling: the static 80-node tree expanded from the adjacency matrix; state kept across prompts."""
+
+    name = "recycling"
+
+    def __init__(self, matrix: RecyclingMatrix):
+        self.matrix = matrix
+
+    def start(self, seq: list[int]) -> None:
+        pass  # hot start: the matrix carries over from earlier prompts
+
+    def propose(self, root: int, source: int) -> list[Draft]:
+        tokens, parents = self.matrix.draft(root)
+        return [Draft(tokens.tolist(), parents.tolist(), source)]
+
+    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        # every verified node's top-k next tokens become its token's row (Token Recycling)
+        self.matrix.update(tokens, torch.topk(logits, self.matrix.k, dim=-1).indices)
+
+    def commit(self, tokens: list[int]) -> None:
+        pass

@@ -1,0 +1,184 @@
+"""Lossless speculative decoding: draft -> build trie -> verify -> accept -> commit KV -> update drafters -> emit.
+
+Output equals plain AR decoding of the model for the same prompt, params and seed, whatever the drafters (I1, I2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from specrun.decoding.drafters import DRAFTER_NAMES, Drafter, NGramDrafter, RecyclingDrafter
+from specrun.decoding.penalty import PenaltyWindow
+from specrun.decoding.recycling import RecyclingMatrix
+from specrun.decoding.runner import ModelRunner
+from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
+from specrun.decoding.stats import GenStats
+from specrun.decoding.trie import Trie, build_trie, walk
+
+if TYPE_CHECKING:
+    from specrun.decoding.models import LoadedModel
+
+RECYCLING_K = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    drafters: tuple[str, ...] = DRAFTER_NAMES  # () = plain AR
+    trie_budget: int = 64
+    ngram_topk: int = 20
+    prefill_chunk: int = 256
+
+    def __post_init__(self):
+        unknown = [d for d in self.drafters if d not in DRAFTER_NAMES]
+        if unknown:
+            raise ValueError(f"unknown drafter {unknown[0]!r}; choose from {', '.join(DRAFTER_NAMES)} or none")
+        if len(set(self.drafters)) != len(self.drafters):
+            raise ValueError(f"drafter listed twice in {','.join(self.drafters)}")
+        if self.trie_budget < 1:
+            raise ValueError(f"trie_budget={self.trie_budget} must be >= 1")
+        if self.ngram_topk < 0:
+            raise ValueError(f"ngram_topk={self.ngram_topk} must be >= 0")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # every generated token, resumed ones included
+    finish_reason: str  # "eos" | "length" | "stopped"
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _State:
+    """One generation in flight: the committed sequence and where the noise/stop rules stand."""
+
+    seq: torch.Tensor  # [capacity] long; seq[:n] committed, seq[n-1] is the root (its K/V not yet cached)
+    n: int
+    prompt_len: int
+    out: list[int]  # generated tokens (Python list: emitting appends, never rescans)
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.lm = lm
+        self.config = config
+        self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk))
+        vocab = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
+        self.vocab_size = vocab
+        self.recycling = RecyclingMatrix(vocab, k=RECYCLING_K, device=lm.device) if "recycling" in config.drafters else None
+        self.drafters: list[Drafter] = []
+        for name in config.drafters:
+            self.drafters.append(NGramDrafter(config.ngram_topk) if name == "ngram" else RecyclingDrafter(self.recycling))
+
+    # -- the recipe ---------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        resume_from: list[int] = (),
+        on_step: Callable[[list[int]], bool] | None = None,
+    ) -> GenerationResult:
+        st = self._start(prompt_ids, params, list(resume_from))
+        stats = GenStats(tuple(d.name for d in self.drafters))
+        done = self._finished(st, params)
+        if done:
+            return GenerationResult(st.out, done, stats.as_dict())
+        with stats.time("prefill"):
+            self.runner.prefill(st.seq[: st.n - 1], self.config.prefill_chunk)
+        window = PenaltyWindow(self.vocab_size, params.penalty_window, self.lm.device) if params.uses_penalty else None
+        if window:
+            window.reset(st.seq, st.n)
+        while not done:
+            root = int(st.seq[st.n - 1])
+            with stats.time("draft"):
+                drafts = [d for i, drafter in enumerate(self.drafters) for d in drafter.propose(root, i)]
+            with stats.time("trie"):
+                trie = build_trie(root, drafts, self.config.trie_budget, self.lm.device)
+            with stats.time("forward"):
+                logits = self._verify(st, trie)
+            with stats.time("walk"):
+                choice = self._choose(st, trie, logits, params, window)
+                path = walk(trie, choice)
+                emitted = self._stop_rules(st, choice[path].tolist(), params)
+            with stats.time("commit"):
+                self._commit(st, path, emitted, window)
+            with stats.time("update"):
+                self._update_drafters(trie, logits, emitted)
+            stats.record_step(len(emitted), trie.size, trie.sources[path[1 : len(emitted)]].tolist())
+            done = self._finished(st, params)
+            if on_step is not None and on_step(emitted) and not done:
+                done = "stopped"
+        return GenerationResult(st.out, done, stats.as_dict())
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+    def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> _State:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in (*prompt_ids, *resumed) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.lm.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model "
+                f"context of {self.lm.max_context}"
+            )
+        capacity = total + self.config.trie_budget + 1
+        self.runner.reset(capacity)
+        seq = torch.zeros(capacity, dtype=torch.long, device=self.lm.device)
+        known = [*prompt_ids, *resumed]
+        seq[: len(known)] = torch.tensor(known, dtype=torch.long)
+        for d in self.drafters:
+            d.start(known)
+        return _State(seq, len(known), len(prompt_ids), resumed)
+
+    def _verify(self, st: _State, trie: Trie) -> torch.Tensor:
+        """One forward over the trie: root at position n-1, each node at n-1+depth. -> logits [T, V]"""
+        positions = trie.depths + (st.n - 1)
+        hidden = self.runner.forward(trie.tokens, positions, trie.ancestors)
+        return self.runner.logits(hidden)
+
+    def _choose(self, st, trie: Trie, logits, params: SamplingParams, window: PenaltyWindow | None) -> torch.Tensor:
+        """The target's token after every node, exactly as AR would pick it there. -> [T] long"""
+        present = window.presence(st.seq, st.n, trie) if window else None
+        processed = process_logits(logits, present, params)
+        noise = None
+        if not params.greedy:
+            # the token after a depth-d node is generated token len(out)+d at absolute position n+d
+            depth_max = int(trie.path_tokens.shape[1])
+            pos = torch.arange(st.n, st.n + depth_max + 1, device=logits.device)
+            noise = gumbel_noise(params.seed, pos, logits.shape[-1])[trie.depths]  # [T, V]
+        return choose(processed, noise)
+
+    def _stop_rules(self, st: _State, tokens: list[int], params: SamplingParams) -> list[int]:
+        tokens = tokens[: params.max_tokens - len(st.out)]
+        if not params.ignore_eos:
+            for i, t in enumerate(tokens):
+                if t in self.lm.eos_ids:
+                    return tokens[: i + 1]
+        return tokens
+
+    def _commit(self, st: _State, path: torch.Tensor, emitted: list[int], window: PenaltyWindow | None) -> None:
+        k = len(emitted)
+        self.runner.cache.commit(path[:k])  # K/V of root..(k-1)th accepted node; the last emitted is the new root
+        st.seq[st.n : st.n + k] = torch.tensor(emitted, dtype=torch.long)
+        if window:
+            window.advance(st.seq, st.n, st.n + k)
+        st.n += k
+        st.out.extend(emitted)
+
+    def _update_drafters(self, trie: Trie, logits: torch.Tensor, emitted: list[int]) -> None:
+        for d in self.drafters:
+            d.observe(trie.tokens, logits)
+            d.commit(emitted)
+
+    def _finished(self, st: _State, params: SamplingParams) -> str | None:
+        if st.out and not params.ignore_eos and st.out[-1] in self.lm.eos_ids:
+            return "eos"
+        if len(st.out) >= params.max_tokens:
+            return "length"
+        return None

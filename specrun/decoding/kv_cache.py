@@ -1,0 +1,48 @@
+"""Preallocated KV cache, token-major per layer ([slots, Hkv, D]: a paged layout with page size 1).
+
+Slots [0, length) hold committed tokens; a forward writes its new K/V right after them; commit keeps the accepted ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype, device):
+        shape = (n_layers, capacity, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, S, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # committed slots
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """# k, v: [T, Hkv, D] written at slots [start, start+T)"""
+        end = start + k.shape[0]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+
+    def keys_values(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """# -> k, v: [Hkv, end, D] views of slots [0, end)"""
+        return self.k[layer, :end].transpose(0, 1), self.v[layer, :end].transpose(0, 1)
+
+    def commit(self, offsets: torch.Tensor) -> None:
+        """Keep the forward's slots length+offsets (ascending) as the next committed slots; drop the rest.
+
+        # offsets: [A] long, offsets[0] == 0 (the root)
+        """
+        a = offsets.shape[0]
+        src = offsets + self.length
+        # index_select copies before the write, so overlapping source/destination is safe
+        self.k[:, self.length : self.length + a] = self.k.index_select(1, src)
+        self.v[:, self.length : self.length + a] = self.v.index_select(1, src)
+        self.length += a
+
+    def append(self, n: int) -> None:
+        """Commit n slots written in order (prefill)."""
+        self.length += n

@@ -1,0 +1,84 @@
+"""Model runner: forwards token sets at explicit positions with an explicit mask through our KV cache.
+
+Owns the cache and a preallocated mask buffer; knows nothing of drafting or sampling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specrun.decoding.attention import ATTN_IMPL, ForwardContext
+from specrun.decoding.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from specrun.decoding.models import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, lm: LoadedModel, max_rows: int):
+        self.lm = lm
+        self.model = lm.model
+        if self.model.config._attn_implementation != ATTN_IMPL:
+            self.model.set_attn_implementation(ATTN_IMPL)
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        cfg = self.model.config
+        self.n_layers = cfg.num_hidden_layers
+        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_rows = max_rows  # most tokens in one forward (trie budget or prefill chunk)
+        self.cache: KVCache | None = None
+        self.mask_buf: torch.Tensor | None = None  # [max_rows, capacity] bool, all True outside a forward
+
+    def reset(self, capacity: int) -> None:
+        """Empty the cache, growing buffers if this generation needs more slots."""
+        if self.cache is None or self.cache.capacity < capacity:
+            dev, dt = self.lm.device, self.lm.dtype
+            self.cache = KVCache(self.n_layers, capacity, self.n_kv_heads, self.head_dim, dt, dev)
+            self.mask_buf = torch.ones((self.max_rows, capacity), dtype=torch.bool, device=dev)
+        self.cache.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+        """Run T new tokens after the committed slots; their K/V land in slots [length, length+T).
+
+        # tokens, positions: [T] long, tree_mask: [T, T] bool (mask among the new tokens) -> hidden: [T, H]
+        """
+        T = tokens.shape[0]
+        start = self.cache.length
+        block = self.mask_buf[:T, start : start + T]
+        block.copy_(tree_mask)
+        ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T])
+        try:
+            out = self.decoder(
+                input_ids=tokens[None],
+                position_ids=positions[None],
+                attention_mask=ctx.mask[None, None],  # 4D masks pass through transformers untouched
+                use_cache=False,
+                specrun_ctx=ctx,
+            )
+        finally:
+            block.fill_(True)  # these slots are prefix (or free) for the next forward
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """# hidden: [T, H] -> [T, V] in float32 (float64 stays float64)"""
+        with torch.inference_mode():
+            x = self.lm_head(hidden)
+        return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+    def prefill(self, tokens: torch.Tensor, chunk: int) -> None:
+        """Commit K/V for tokens at positions [length, length+P) in causal chunks.
+
+        # tokens: [P] long
+        """
+        P = tokens.shape[0]
+        for s in range(0, P, chunk):
+            part = tokens[s : s + chunk]
+            T = part.shape[0]
+            pos = torch.arange(self.cache.length, self.cache.length + T, device=tokens.device)
+            causal = torch.ones((T, T), dtype=torch.bool, device=tokens.device).tril_()
+            self.forward(part, pos, causal)
+            self.cache.append(T)

@@ -1,0 +1,143 @@
+"""Position-keyed sampling: one code path turns logits into tokens for AR steps and trie verification.
+
+Noise depends only on (seed, absolute position, token id), so every trie node at a given depth uses the row AR would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    eta: float = 0.0
+    penalty: float = 1.0
+    penalty_window: int = 1024
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p < 1.0, "must be in [0, 1)"),
+            ("eta", 0.0 <= self.eta < 1.0, "must be in [0, 1)"),
+            ("penalty", self.penalty > 0.0, "must be > 0 (1 = off)"),
+            ("penalty_window", self.penalty_window >= 0, "must be >= 0"),
+            ("seed", 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalty(self) -> bool:
+        return self.penalty != 1.0 and self.penalty_window > 0
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # exact (x * c) mod 2**32 in int64 without overflow: split c into 16-bit halves
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (hi + x * (c & 0xFFFF)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # lowbias32 finalizer (Wellons): a bijection on uint32 with good avalanche
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counter-based Gumbel(0, 1) noise, identical on every device.
+
+    # positions: [R] absolute positions of the tokens being sampled -> [R, V] float64
+    """
+    device = positions.device
+    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
+    key = _mix32(_mix32(positions.to(torch.int64) ^ s_lo) ^ s_hi)  # [R]
+    v = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    h = _mix32(_mix32(key[:, None] ^ _mix32(v + 0x9E3779B9)[None, :]) + 0x632BE5AB)  # [R, V]
+    # a second independent 32-bit draw gives a 53-bit uniform so the Gumbel tail is not clipped early
+    h2 = _mix32(h ^ 0x5BD1E995)
+    u = ((h >> 5).to(torch.float64) * 67108864.0 + (h2 >> 6).to(torch.float64) + 0.5) / 9007199254740992.0
+    return -torch.log(-torch.log(u))
+
+
+def apply_penalty(logits: torch.Tensor, present: torch.Tensor, theta: float) -> torch.Tensor:
+    """Contextual penalty: logit/theta if > 0 else logit*theta, for tokens present in the window.
+
+    # logits: [T, V] float, present: [T, V] bool -> [T, V]
+    """
+    penalized = torch.where(logits > 0, logits / theta, logits * theta)
+    return torch.where(present, penalized, logits)
+
+
+def truncate(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Top-k, top-p, min-p, eta in that order, each on what the previous one kept (HF warper semantics).
+
+    # scores: [T, V] temperature-scaled logits -> [T, V] with -inf outside the kept set
+    """
+    neg_inf = float("-inf")
+    if p.top_k > 0 and p.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, p.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, neg_inf)
+    if p.top_p < 1.0:
+        sorted_s, order = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_s.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1.0 - p.top_p)
+        drop_sorted[:, -1] = False  # keep at least the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, neg_inf)
+    if p.min_p > 0.0:
+        probs = scores.softmax(dim=-1)
+        floor = p.min_p * probs.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(probs < floor, neg_inf)
+    if p.eta > 0.0:
+        probs = scores.softmax(dim=-1)
+        entropy = -(probs * torch.log(probs.clamp_min(1e-300))).sum(dim=-1, keepdim=True)
+        eps = torch.minimum(torch.full_like(entropy, p.eta), math.sqrt(p.eta) * torch.exp(-entropy))
+        top = scores.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill((probs < eps) & (scores < top), neg_inf)
+    return scores
+
+
+def process_logits(logits: torch.Tensor, present: torch.Tensor | None, p: SamplingParams) -> torch.Tensor:
+    """Penalty, temperature, truncation: the distribution AR samples from (softmax of the result).
+
+    # logits: [T, V], present: [T, V] bool or None -> [T, V] float32/float64
+    """
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    if present is not None and p.uses_penalty:
+        x = apply_penalty(x, present, p.penalty)
+    if p.greedy:
+        return x
+    return truncate(x / p.temperature, p)
+
+
+def choose(processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    """Gumbel-max over processed logits; plain argmax when greedy (noise is None).
+
+    # processed: [T, V], noise: [T, V] float64 or None -> [T] long
+    """
+    if noise is None:
+        return processed.argmax(dim=-1)
+    return (processed + noise.to(processed.dtype)).argmax(dim=-1)
