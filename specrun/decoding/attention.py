@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specrun.decoding.kv_cache import KVCache
 
@@ -43,7 +44,9 @@ def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Te
 
 
 def _specrun_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    ctx: ForwardContext = kwargs["specrun_ctx"]
+    ctx: ForwardContext | None = kwargs.pop("specrun_ctx", None)
+    if ctx is None:  # a plain transformers call (e.g. HF generate on the same model object)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return sdpa_attention(ctx, module.layer_idx, query, key, value, scaling), None
 
 

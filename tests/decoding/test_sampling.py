@@ -1,0 +1,108 @@
+"""Noise function, logit processing against transformers' warpers, and the sampler's distribution."""
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+from transformers.generation.logits_process import (
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
+
+
+def test_noise_is_a_pure_function_of_seed_position_token():
+    a = gumbel_noise(7, torch.tensor([0, 5, 100_000]), 1000)
+    b = gumbel_noise(7, torch.tensor([100_000, 5]), 1000)
+    assert torch.equal(a[2], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], a[1])
+    assert not torch.equal(a, gumbel_noise(8, torch.tensor([0, 5, 100_000]), 1000))
+    assert torch.equal(gumbel_noise(7, torch.tensor([5]), 50)[0], a[1, :50])  # vocab size does not shift the stream
+    assert torch.equal(gumbel_noise(2**62 + 3, torch.tensor([1]), 10), gumbel_noise(2**62 + 3, torch.tensor([1]), 10))
+
+
+def test_noise_is_standard_gumbel():
+    g = gumbel_noise(1, torch.arange(200), 5000).flatten().numpy()
+    assert stats.kstest(g, "gumbel_r").pvalue > 1e-3
+    assert abs(g.mean() - 0.5772156649) < 0.01
+    assert abs(g.var() - math.pi**2 / 6) < 0.03
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_noise_identical_on_cuda():
+    pos = torch.arange(64)
+    assert torch.allclose(gumbel_noise(3, pos, 4096), gumbel_noise(3, pos.cuda(), 4096).cpu(), rtol=0, atol=1e-12)
+
+
+def hf_reference(logits, present_ids, p: SamplingParams):
+    x = logits.clone()
+    if p.penalty != 1.0:
+        x = RepetitionPenaltyLogitsProcessor(p.penalty)(present_ids[None], x[None])[0]
+    x = TemperatureLogitsWarper(p.temperature)(None, x[None])[0]
+    for w in (
+        TopKLogitsWarper(p.top_k) if p.top_k else None,
+        TopPLogitsWarper(p.top_p) if p.top_p < 1 else None,
+        MinPLogitsWarper(p.min_p) if p.min_p else None,
+        EtaLogitsWarper(p.eta, device="cpu") if p.eta else None,
+    ):
+        if w is not None:
+            x = w(None, x[None])[0]
+    return x
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.7, top_k=20),
+        dict(temperature=1.0, top_p=0.8),
+        dict(temperature=1.3, min_p=0.05, penalty=1.4),
+        dict(temperature=0.9, eta=0.002),
+        dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, eta=0.001, penalty=1.2),
+    ],
+)
+def test_processing_matches_transformers_warpers(kw):
+    torch.manual_seed(0)
+    p = SamplingParams(**kw)
+    logits = torch.randn(500, dtype=torch.float64) * 3
+    present_ids = torch.randint(0, 500, (40,))
+    present = torch.zeros(1, 500, dtype=torch.bool)
+    present[0, present_ids] = True
+    ours = process_logits(logits[None], present, p)[0]
+    ref = hf_reference(logits, present_ids, p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    keep = ~torch.isinf(ref)
+    assert torch.allclose(ours[keep], ref[keep], atol=1e-12)
+
+
+def test_greedy_is_argmax_after_penalty():
+    logits = torch.tensor([[1.0, 3.0, 2.9, -1.0]])
+    present = torch.tensor([[False, True, False, False]])
+    p = SamplingParams(penalty=1.5)
+    assert choose(process_logits(logits, present, p), None).item() == 2
+    assert choose(process_logits(logits, None, SamplingParams()), None).item() == 1
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_sampler_matches_processed_distribution(penalty):
+    torch.manual_seed(1)
+    V, N = 40, 6000
+    logits = torch.randn(1, V, dtype=torch.float64) * 1.5
+    present = torch.zeros(1, V, dtype=torch.bool)
+    present[0, :10] = True
+    p = SamplingParams(temperature=0.9, top_k=15, penalty=penalty)
+    processed = process_logits(logits, present, p)
+    probs = processed.softmax(-1)[0]
+    counts = torch.zeros(V)
+    for seed in range(N):
+        counts[choose(processed, gumbel_noise(seed, torch.tensor([17]), V)).item()] += 1
+    kept = probs > 0
+    assert counts[~kept].sum() == 0
+    res = stats.chisquare(counts[kept].numpy(), (probs[kept] * N).numpy())
+    assert res.pvalue > 1e-3
