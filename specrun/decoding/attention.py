@@ -37,10 +37,11 @@ def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Te
     G = Hq // Hkv
     ctx.cache.write(layer, ctx.start, k[0].transpose(0, 1), v[0].transpose(0, 1))
     keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]
-    qg = q[0].reshape(Hkv, G * T, D)  # query head h = kv_head * G + g
+    qg = q.reshape(1, Hkv, G * T, D)  # query head h = kv_head * G + g
     mask = ctx.mask.repeat(G, 1) if G > 1 else ctx.mask  # [G*T, S]
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)  # [Hkv, G*T, D]
-    return out.reshape(Hq, T, D).transpose(0, 1).unsqueeze(0)
+    # 4-D operands: torch's CPU SDPA takes a far slower path for 3-D inputs with a mask
+    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask[None, None], scale=scaling)
+    return out.reshape(Hq, T, D).transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
 
 
 def _specrun_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
