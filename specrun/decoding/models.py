@@ -1,0 +1,167 @@
+"""Load a local HF causal-LM directory (or the built-in demo) into a LoadedModel: model, tokenizer, eos ids, vocab.
+
+load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens(tokenizer, ids) -> text (skips ids the tokenizer lacks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEMO = "demo"
+FINGERPRINT_CHUNK = 1 << 20  # bytes read from the start and the end of each weight file
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# Small files that change what the model outputs (eos ids, tokenization): hashed whole.
+FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: "torch.nn.Module"  # PreTrainedModel: eval(), requires_grad off, on device/dtype; attn impl set by the engine
+    tokenizer: object  # PreTrainedTokenizerBase
+    path: str  # resolved model directory ("demo" resolves to the cached demo directory)
+    eos_ids: frozenset  # frozenset[int]: generation_config.eos_token_id (int or list) ∪ tokenizer.eos_token_id
+    vocab_size: int  # model OUTPUT vocabulary (lm_head rows); may exceed len(tokenizer)
+    max_context: int  # config.max_position_embeddings
+    fingerprint: str  # 16 hex chars identifying config + weights (see model_fingerprint)
+    is_demo: bool
+    dtype: torch.dtype
+    device: torch.device
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    """'float32' | 'float64' | 'bfloat16' | 'float16' -> torch dtype; ValueError naming the bad value otherwise."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str) -> torch.device:
+    """'cpu' | 'cuda' | 'cuda:N' -> torch.device; ValueError naming the value if unknown or CUDA is unavailable."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unsupported device {device!r}; expected cpu or cuda") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; expected cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
+
+
+def resolve_model_dir(path: str) -> tuple[Path, bool]:
+    """(directory, is_demo) for a model argument; builds the demo on first use; ValueError naming a bad path."""
+    from specrun.decoding.tiny import demo_model_dir
+
+    if path == DEMO:
+        return demo_model_dir(), True
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"model path {path!r} does not exist (give a local HF model directory, or 'demo')")
+    if not p.is_dir():
+        raise ValueError(f"model path {path!r} is not a directory (give a local HF model directory, or 'demo')")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
+    p = p.resolve()
+    return p, _is_cached_demo(p)
+
+
+def _is_cached_demo(p: Path) -> bool:
+    from specrun.decoding.tiny import DEMO_NAME, _cache_root
+
+    try:
+        return p == (_cache_root() / DEMO_NAME).resolve()
+    except OSError:
+        return False
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over the small config/tokenizer files plus each weight file's name, size, first and last MiB -> hex[:16].
+
+    Cheap for multi-GB checkpoints (reads at most 2 MiB per weight file).
+    """
+    h = hashlib.sha256()
+    for name in FINGERPRINT_FILES:
+        f = model_dir / name
+        if f.is_file():
+            h.update(f"{name}\0".encode())
+            h.update(f.read_bytes())
+    weights = sorted(f for f in model_dir.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+    for f in weights:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(FINGERPRINT_CHUNK))
+            if size > FINGERPRINT_CHUNK:
+                fh.seek(max(FINGERPRINT_CHUNK, size - FINGERPRINT_CHUNK))
+                h.update(fh.read(FINGERPRINT_CHUNK))
+    return h.hexdigest()[:16]
+
+
+def _eos_ids(model, tokenizer) -> frozenset:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load a local HF causal LM directory (local files only; no hub access) or the demo model ("demo").
+
+    The model comes back in eval mode with gradients off, with attn_implementation="sdpa" (the engine swaps in its own).
+    """
+    torch_dtype = parse_dtype(dtype)
+    dev = parse_device(device)
+    model_dir, is_demo = resolve_model_dir(path)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrun.decoding.tiny import quiet_progress_bars
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    with quiet_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            attn_implementation="sdpa",
+        )
+    model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    out_emb = model.get_output_embeddings()
+    vocab = int(out_emb.weight.shape[0]) if out_emb is not None else int(model.config.vocab_size)
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=str(model_dir),
+        eos_ids=_eos_ids(model, tokenizer),
+        vocab_size=vocab,
+        max_context=int(text_config.max_position_embeddings),
+        fingerprint=model_fingerprint(model_dir),
+        is_demo=is_demo,
+        dtype=torch_dtype,
+        device=dev,
+    )
+
+
+def decode_tokens(tokenizer, ids, skip_special_tokens: bool = True) -> str:
+    """Text of token ids; ids outside the tokenizer (the model's output vocab may be larger) are skipped."""
+    n = len(tokenizer)
+    kept = [int(i) for i in ids if 0 <= int(i) < n]
+    return tokenizer.decode(kept, skip_special_tokens=skip_special_tokens) if kept else ""

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny offline models (built once per session into a tmp dir) and a private SPECRUN_CACHE.
+
+Fixtures: tiny_models (name -> model dir), load_fixture(name, dtype="float64") -> LoadedModel (fresh load), specrun_cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# name -> build_tiny_model keyword arguments (hidden 64, 2 layers: fast on CPU).
+TINY_SPECS: dict[str, dict] = {
+    "llama_mha": dict(arch="llama", heads=4, kv_heads=4, tie_embeddings=True, seed=1),
+    "llama_gqa": dict(arch="llama", heads=4, kv_heads=2, tie_embeddings=False, seed=2),
+    "qwen2": dict(arch="qwen2", heads=4, kv_heads=2, tie_embeddings=False, seed=3),
+    "qwen3": dict(arch="qwen3", heads=4, kv_heads=2, tie_embeddings=True, seed=4),
+    "mistral": dict(arch="mistral", heads=4, kv_heads=2, tie_embeddings=False, seed=5),
+    "llama_bigvocab": dict(arch="llama", heads=4, kv_heads=2, tie_embeddings=False, extra_vocab=37, seed=6),
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specrun_cache(tmp_path_factory) -> Path:
+    """Points SPECRUN_CACHE at a session tmp dir so tests (and Ray workers they start) never touch ~/.cache."""
+    cache = tmp_path_factory.mktemp("specrun-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECRUN_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Every TINY_SPECS model built offline once per session: name -> model directory (str)."""
+    from specrun.decoding.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {name: str(build_tiny_model(root / name, **spec)) for name, spec in TINY_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def load_fixture(tiny_models):
+    """Callable load_fixture(name, dtype="float64", device="cpu") -> a freshly loaded LoadedModel of a tiny model."""
+    from specrun.decoding.models import load_model
+
+    def load(name: str, dtype: str = "float64", device: str = "cpu"):
+        if name not in tiny_models:
+            raise KeyError(f"unknown fixture model {name!r}; have {sorted(tiny_models)}")
+        return load_model(tiny_models[name], dtype=dtype, device=device)
+
+    return load
