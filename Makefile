@@ -10,3 +10,8 @@ test:
 
 demo:
 	specrun generate --prompt "Once upon a time" --max-tokens 200
+
+.PHONY: proxy
+# Train the proxy model (+ draft heads) for `specrun bench`; cached in $SPECRUN_CACHE/proxy-v1 (~/.cache/specrun/proxy-v1).
+proxy:
+	$(PYTHON) bench/proxy_model.py --minutes 20

@@ -24,17 +24,13 @@ def main() -> None:
 
 
 def _register() -> None:
+    from specrun.cli.bench import bench
     from specrun.cli.generate import generate
+    from specrun.cli.jobs import export, resume, status, submit
+    from specrun.cli.train import train_heads
 
-    main.add_command(generate)
-    try:
-        from specrun.cli import jobs
-    except ImportError:  # the job commands land separately
-        return
-    for name in ("submit", "resume", "status", "export"):
-        cmd = getattr(jobs, name, None)
-        if cmd is not None:
-            main.add_command(cmd)
+    for cmd in (generate, submit, resume, status, export, train_heads, bench):
+        main.add_command(cmd)
 
 
 _register()

@@ -63,7 +63,10 @@ def generate(prompt, prompt_file, max_tokens, model, dtype, device, trust_remote
     prompt_ids = lm.tokenizer.encode(text, add_special_tokens=True)
     if not prompt_ids:
         raise click.ClickException("the prompt encodes to no tokens")
-    engine = Engine(lm, config)
+    try:
+        engine = Engine(lm, config)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
     stream = _Streamer(lm.tokenizer, enabled=not as_json)
     try:
         result = engine.generate(prompt_ids, params, on_step=stream)

@@ -44,19 +44,37 @@ sampling_options = _stack(
 )
 
 engine_options = _stack(
-    click.option("--draft", default=",".join(DRAFTER_NAMES), show_default=True,
-                 help=f"Drafters: 'none' for plain autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
+    click.option("--draft", default="auto", show_default=True,
+                 help=f"Drafters: 'auto' (every one available: heads only with --heads), 'none' for plain "
+                      f"autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
+    click.option("--heads", "heads_path", type=click.Path(exists=True, file_okay=False), default=None,
+                 help="Trained draft heads directory (specrun train-heads) for TokenSwift self-drafting."),
     click.option("--trie-budget", type=int, default=64, show_default=True, help="Most trie nodes verified per step."),
     click.option("--ngram-topk", type=int, default=20, show_default=True,
-                 help="N-gram continuations proposed per step."),
+                 help="N-gram continuations proposed per step (0 = none)."),
+    click.option("--tree", default="1,3,3,3", show_default=True,
+                 help="Self-draft tree: top-k of l_0, l_1, ... taken per level (Cartesian)."),
+    click.option("--kv", "kv_mode", type=click.Choice(["full", "partial", "dynamic"]), default="dynamic",
+                 show_default=True, help="Cache the self-draft forward reads."),
+    click.option("--kv-budget", type=int, default=4096, show_default=True, help="Partial KV cache size |B|."),
+    click.option("--kv-sinks", type=int, default=16, show_default=True, help="Sink tokens |S| kept in the partial cache."),
 )
 
 
-def parse_draft(value: str) -> tuple[str, ...]:
+def parse_draft(value: str) -> tuple[str, ...] | None:
     value = value.strip()
+    if value == "auto":
+        return None
     if value in ("", "none"):
         return ()
     return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def parse_tree(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma list of integers such as 1,3,3,3", param_hint="--tree")
 
 
 def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
@@ -72,6 +90,10 @@ def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
 
 def engine_config_from(kw: dict) -> EngineConfig:
     try:
-        return EngineConfig(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"])
+        return EngineConfig(
+            drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
+            heads_path=kw["heads_path"], tree=parse_tree(kw["tree"]), kv_mode=kw["kv_mode"],
+            kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"],
+        )
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--draft/--trie-budget/--ngram-topk") from e
+        raise click.BadParameter(str(e), param_hint="drafting options") from e

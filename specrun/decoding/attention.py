@@ -24,7 +24,9 @@ class ForwardContext:
 
     cache: KVCache
     start: int  # first slot of this forward's tokens (= cache.length)
-    mask: torch.Tensor  # [T, start+T] bool, True = attend
+    mask: torch.Tensor | None  # [T, start+T] bool, True = attend; None with `select`
+    select: torch.Tensor | None = None  # [Lyr, Hkv, B] slots each KV head sees (partial cache), then its own token
+    queries: list | None = None  # when a list, each layer appends its q [Hq, T, D] (for KV importance)
 
 
 def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
@@ -35,12 +37,18 @@ def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Te
     _, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
+    if ctx.queries is not None:
+        ctx.queries.append(q[0])
     ctx.cache.write(layer, ctx.start, k[0].transpose(0, 1), v[0].transpose(0, 1))
-    keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]
     qg = q.reshape(1, Hkv, G * T, D)  # query head h = kv_head * G + g
-    mask = ctx.mask.repeat(G, 1) if G > 1 else ctx.mask  # [G*T, S]
+    if ctx.select is not None:  # one token against its partial cache: gather the selected slots per KV head
+        keys, values = ctx.cache.gather(layer, ctx.select[layer], ctx.start, T)  # [Hkv, B+T, D]
+        mask = None
+    else:
+        keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]
+        mask = (ctx.mask.repeat(G, 1) if G > 1 else ctx.mask)[None, None]  # [1, 1, G*T, S]
     # 4-D operands: torch's CPU SDPA takes a far slower path for 3-D inputs with a mask
-    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask[None, None], scale=scaling)
+    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(Hq, T, D).transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
 
 

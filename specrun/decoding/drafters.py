@@ -11,9 +11,9 @@ import torch
 
 from specrun.decoding.ngram import NGramPool
 from specrun.decoding.recycling import RecyclingMatrix
-from specrun.decoding.trie import Draft
+from specrun.decoding.trie import Draft, DraftContext
 
-DRAFTER_NAMES = ("ngram", "recycling")
+DRAFTER_NAMES = ("heads", "ngram", "recycling")  # merge priority: earlier drafters fill the budget first
 
 
 class Drafter(Protocol):
@@ -21,7 +21,7 @@ class Drafter(Protocol):
 
     def start(self, seq: list[int]) -> None: ...
 
-    def propose(self, root: int, source: int) -> list[Draft]: ...
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]: ...
 
     def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None: ...  # tokens: [T], logits: [T, V]
 
@@ -29,7 +29,10 @@ class Drafter(Protocol):
 
 
 class NGramDrafter:
-    """TokenSwift token reutilization: the root's most frequent 3-token continuations, as chains."""
+    """TokenSwift token reutilization: the most frequent 3-token continuations, as chains.
+
+    Keyed by the self-drafter's guess of the next token when there is one (chains root -> guess -> ...), else by the root.
+    """
 
     name = "ngram"
 
@@ -41,10 +44,14 @@ class NGramDrafter:
         self.pool.reset()
         self.pool.extend(seq)
 
-    def propose(self, root: int, source: int) -> list[Draft]:
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
         if self.topk == 0:
             return []
-        return [Draft([root, *c], list(range(-1, len(c))), source) for c in self.pool.query(root, self.topk)]
+        head = [ctx.root] if ctx.guess is None else [ctx.root, ctx.guess]
+        return [
+            Draft([*head, *c], list(range(-1, len(head) + len(c) - 1)), source)
+            for c in self.pool.query(head[-1], self.topk)
+        ]
 
     def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         pass
@@ -64,8 +71,8 @@ class RecyclingDrafter:
     def start(self, seq: list[int]) -> None:
         pass  # hot start: the matrix carries over from earlier prompts
 
-    def propose(self, root: int, source: int) -> list[Draft]:
-        tokens, parents = self.matrix.draft(root)
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        tokens, parents = self.matrix.draft(ctx.root)
         return [Draft(tokens.tolist(), parents.tolist(), source)]
 
     def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:

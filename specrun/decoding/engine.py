@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specrun.decoding.drafters import DRAFTER_NAMES, Drafter, NGramDrafter, RecyclingDrafter
+from specrun.decoding.heads import DraftHeads, load_heads
+from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.penalty import PenaltyWindow
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
 from specrun.decoding.stats import GenStats
-from specrun.decoding.trie import Trie, build_trie, walk
+from specrun.decoding.self_draft import SelfDrafter, TreeTemplate
+from specrun.decoding.trie import DraftContext, Trie, build_trie, walk
 
 if TYPE_CHECKING:
     from specrun.decoding.models import LoadedModel
@@ -26,23 +29,36 @@ RECYCLING_K = 8
 
 @dataclass(frozen=True)
 class EngineConfig:
-    drafters: tuple[str, ...] = DRAFTER_NAMES  # () = plain AR
+    drafters: tuple[str, ...] | None = None  # None = every drafter available (heads need heads_path); () = plain AR
     trie_budget: int = 64
     ngram_topk: int = 20
     prefill_chunk: int = 256
+    heads_path: str | None = None  # trained draft heads (specrun train-heads); enables the "heads" drafter
+    tree: tuple[int, ...] = (1, 3, 3, 3)  # self-draft candidates: top-k of l_0, l_1, l_2, l_3 (Cartesian)
+    kv_mode: str = "dynamic"  # cache the self-draft forward reads: full | partial | dynamic
+    kv_budget: int = 4096
+    kv_sinks: int = 16
 
     def __post_init__(self):
-        unknown = [d for d in self.drafters if d not in DRAFTER_NAMES]
+        names = self.drafters if self.drafters is not None else ()
+        unknown = [d for d in names if d not in DRAFTER_NAMES]
         if unknown:
             raise ValueError(f"unknown drafter {unknown[0]!r}; choose from {', '.join(DRAFTER_NAMES)} or none")
-        if len(set(self.drafters)) != len(self.drafters):
-            raise ValueError(f"drafter listed twice in {','.join(self.drafters)}")
-        if self.trie_budget < 1:
-            raise ValueError(f"trie_budget={self.trie_budget} must be >= 1")
-        if self.ngram_topk < 0:
-            raise ValueError(f"ngram_topk={self.ngram_topk} must be >= 0")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter listed twice in {','.join(names)}")
+        for name, value, low in (("trie_budget", self.trie_budget, 1), ("ngram_topk", self.ngram_topk, 0),
+                                 ("prefill_chunk", self.prefill_chunk, 1), ("kv_budget", self.kv_budget, 1)):
+            if value < low:
+                raise ValueError(f"{name}={value} must be >= {low}")
+        PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
+        TreeTemplate(self.tree)  # validates the tree spec
+
+    def active_drafters(self, have_heads: bool) -> tuple[str, ...]:
+        if self.drafters is None:
+            return tuple(n for n in DRAFTER_NAMES if have_heads or n != "heads")
+        if "heads" in self.drafters and not have_heads:
+            raise ValueError("drafter 'heads' needs trained draft heads (--heads PATH, see specrun train-heads)")
+        return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed merge priority
 
 
 @dataclass
@@ -63,16 +79,27 @@ class _State:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig()):
+    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), heads: DraftHeads | None = None):
         self.lm = lm
         self.config = config
+        if heads is None and config.heads_path:
+            heads = load_heads(config.heads_path, lm)
+        names = config.active_drafters(heads is not None)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk))
-        vocab = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
-        self.vocab_size = vocab
-        self.recycling = RecyclingMatrix(vocab, k=RECYCLING_K, device=lm.device) if "recycling" in config.drafters else None
+        self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
+        self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
+        self.self_draft: SelfDrafter | None = None
         self.drafters: list[Drafter] = []
-        for name in config.drafters:
-            self.drafters.append(NGramDrafter(config.ngram_topk) if name == "ngram" else RecyclingDrafter(self.recycling))
+        for name in names:
+            if name == "heads":
+                kv = PartialKV(config.kv_mode, config.kv_budget, config.kv_sinks)
+                self.self_draft = SelfDrafter(self.runner, heads, config.tree, kv)
+                self.drafters.append(self.self_draft)
+            elif name == "ngram":
+                self.drafters.append(NGramDrafter(config.ngram_topk))
+            else:
+                self.drafters.append(RecyclingDrafter(self.recycling))
+        self._capture = self.self_draft is not None and self.self_draft.needs_queries
 
     # -- the recipe ---------------------------------------------------------------------------------------------
     def generate(
@@ -88,16 +115,16 @@ class Engine:
         if done:
             return GenerationResult(st.out, done, stats.as_dict())
         with stats.time("prefill"):
-            self.runner.prefill(st.seq[: st.n - 1], self.config.prefill_chunk)
+            self.runner.prefill(st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
         window = PenaltyWindow(self.vocab_size, params.penalty_window, self.lm.device) if params.uses_penalty else None
         if window:
             window.reset(st.seq, st.n)
         while not done:
-            root = int(st.seq[st.n - 1])
+            ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
             with stats.time("draft"):
-                drafts = [d for i, drafter in enumerate(self.drafters) for d in drafter.propose(root, i)]
+                drafts = [d for i, drafter in enumerate(self.drafters) for d in drafter.propose(ctx, i)]
             with stats.time("trie"):
-                trie = build_trie(root, drafts, self.config.trie_budget, self.lm.device)
+                trie = build_trie(ctx.root, drafts, self.config.trie_budget, self.lm.device)
             with stats.time("forward"):
                 logits = self._verify(st, trie)
             with stats.time("walk"):
@@ -106,12 +133,17 @@ class Engine:
                 emitted = self._stop_rules(st, choice[path].tolist(), params)
             with stats.time("commit"):
                 self._commit(st, path, emitted, window)
+                if self.self_draft is not None:
+                    self.self_draft.note_committed(int(path[len(emitted) - 1]))
             with stats.time("update"):
                 self._update_drafters(trie, logits, emitted)
-            stats.record_step(len(emitted), trie.size, trie.sources[path[1 : len(emitted)]].tolist())
+            accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
+            stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources)
             done = self._finished(st, params)
             if on_step is not None and on_step(emitted) and not done:
                 done = "stopped"
+        if self.self_draft is not None:
+            stats.kv_rebuilds = self.self_draft.kv.rebuilds
         return GenerationResult(st.out, done, stats.as_dict())
 
     # -- steps ----------------------------------------------------------------------------------------------------
@@ -139,7 +171,7 @@ class Engine:
     def _verify(self, st: _State, trie: Trie) -> torch.Tensor:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> logits [T, V]"""
         positions = trie.depths + (st.n - 1)
-        hidden = self.runner.forward(trie.tokens, positions, trie.ancestors)
+        hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return self.runner.logits(hidden)
 
     def _choose(self, st, trie: Trie, logits, params: SamplingParams, window: PenaltyWindow | None) -> torch.Tensor:

@@ -31,6 +31,18 @@ class KVCache:
         """# -> k, v: [Hkv, end, D] views of slots [0, end)"""
         return self.k[layer, :end].transpose(0, 1), self.v[layer, :end].transpose(0, 1)
 
+    def gather(self, layer: int, slots: torch.Tensor, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-KV-head selected slots followed by the T fresh slots [start, start+T) (causal among them: T == 1).
+
+        # slots: [Hkv, B] -> k, v: [Hkv, B+T, D]
+        """
+        Hkv, B = slots.shape
+        idx = torch.empty((Hkv, B + T), dtype=torch.long, device=slots.device)
+        idx[:, :B] = slots
+        idx[:, B:] = torch.arange(start, start + T, device=slots.device)
+        heads = torch.arange(Hkv, device=slots.device)[:, None]
+        return self.k[layer][idx, heads], self.v[layer][idx, heads]
+
     def commit(self, offsets: torch.Tensor) -> None:
         """Keep the forward's slots length+offsets (ascending) as the next committed slots; drop the rest.
 

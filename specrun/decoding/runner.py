@@ -31,6 +31,7 @@ class ModelRunner:
         self.max_rows = max_rows  # most tokens in one forward (trie budget or prefill chunk)
         self.cache: KVCache | None = None
         self.mask_buf: torch.Tensor | None = None  # [max_rows, capacity] bool, all True outside a forward
+        self.queries: list[torch.Tensor] = []  # per layer q [Hq, T, D] of the last forward that captured them
 
     def reset(self, capacity: int) -> None:
         """Empty the cache, growing buffers if this generation needs more slots."""
@@ -41,26 +42,45 @@ class ModelRunner:
         self.cache.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        select: torch.Tensor | None = None,
+        capture_queries: bool = False,
+    ) -> torch.Tensor:
         """Run T new tokens after the committed slots; their K/V land in slots [length, length+T).
 
+        With `select` ([Lyr, Hkv, B], T == 1) the token sees only those slots (partial cache) and itself.
+        With capture_queries, self.queries holds each layer's q [Hq, T, D] afterwards.
         # tokens, positions: [T] long, tree_mask: [T, T] bool (mask among the new tokens) -> hidden: [T, H]
         """
         T = tokens.shape[0]
         start = self.cache.length
-        block = self.mask_buf[:T, start : start + T]
-        block.copy_(tree_mask)
-        ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T])
+        queries = [] if capture_queries else None
+        block = None
+        if select is None:
+            block = self.mask_buf[:T, start : start + T]
+            block.copy_(tree_mask)
+            ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T], queries=queries)
+            mask4d = ctx.mask[None, None]
+        else:
+            ctx = ForwardContext(self.cache, start, None, select=select, queries=queries)
+            mask4d = self.mask_buf[:1, :1][None, None]  # a placeholder for transformers: `select` rules here
         try:
             out = self.decoder(
                 input_ids=tokens[None],
                 position_ids=positions[None],
-                attention_mask=ctx.mask[None, None],  # 4D masks pass through transformers untouched
+                attention_mask=mask4d,  # 4D masks pass through transformers untouched
                 use_cache=False,
                 specrun_ctx=ctx,
             )
         finally:
-            block.fill_(True)  # these slots are prefix (or free) for the next forward
+            if block is not None:
+                block.fill_(True)  # these slots are prefix (or free) for the next forward
+        if capture_queries:
+            self.queries = queries
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -69,8 +89,8 @@ class ModelRunner:
             x = self.lm_head(hidden)
         return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
-    def prefill(self, tokens: torch.Tensor, chunk: int) -> None:
-        """Commit K/V for tokens at positions [length, length+P) in causal chunks.
+    def prefill(self, tokens: torch.Tensor, chunk: int, capture_queries: bool = False) -> None:
+        """Commit K/V for tokens at positions [length, length+P) in causal chunks (queries kept for the last).
 
         # tokens: [P] long
         """
@@ -80,5 +100,5 @@ class ModelRunner:
             T = part.shape[0]
             pos = torch.arange(self.cache.length, self.cache.length + T, device=tokens.device)
             causal = torch.ones((T, T), dtype=torch.bool, device=tokens.device).tril_()
-            self.forward(part, pos, causal)
+            self.forward(part, pos, causal, capture_queries=capture_queries)
             self.cache.append(T)

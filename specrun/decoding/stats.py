@@ -1,6 +1,7 @@
 """Per-generation statistics: steps, accepted tokens per step, tokens per drafter, seconds per phase.
 
-Cheap to update every step (counters only); `as_dict` is what results and job outputs carry.
+alpha: mean share of the deepest offered draft path accepted per step; beta: share of steps whose accepted path
+includes an n-gram node (TokenSwift's acceptance and n-gram acceptance). Counters only, cheap every step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class GenStats:
         self.accepted_hist: Counter[int] = Counter()
         self.by_drafter: Counter[str] = Counter()
         self.nodes = 0
+        self.alpha_sum = 0.0
+        self.ngram_steps = 0
+        self.kv_rebuilds = 0
         self.phase = dict.fromkeys(PHASES, 0.0)
         self.t0 = time.perf_counter()
 
@@ -31,13 +35,16 @@ class GenStats:
         finally:
             self.phase[phase] += time.perf_counter() - t
 
-    def record_step(self, emitted: int, trie_nodes: int, accepted_sources: list[int]) -> None:
+    def record_step(self, emitted: int, trie_nodes: int, trie_depth: int, accepted_sources: list[int]) -> None:
         self.steps += 1
         self.new_tokens += emitted
         self.nodes += trie_nodes
         self.accepted_hist[emitted] += 1
-        for s in accepted_sources:
-            self.by_drafter[self.drafter_names[s]] += 1
+        if trie_depth:
+            self.alpha_sum += len(accepted_sources) / trie_depth
+        names = [self.drafter_names[s] for s in accepted_sources]
+        self.ngram_steps += "ngram" in names
+        self.by_drafter.update(names)
 
     def as_dict(self) -> dict:
         seconds = time.perf_counter() - self.t0
@@ -48,6 +55,9 @@ class GenStats:
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
             "tokens_by_drafter": {n: self.by_drafter.get(n, 0) for n in self.drafter_names},
             "mean_trie_nodes": self.nodes / self.steps if self.steps else 0.0,
+            "alpha": self.alpha_sum / self.steps if self.steps else 0.0,
+            "beta": self.ngram_steps / self.steps if self.steps else 0.0,
+            "kv_rebuilds": self.kv_rebuilds,
             "phase_seconds": {k: round(v, 6) for k, v in self.phase.items()},
             "seconds": seconds,
             "tokens_per_s": self.new_tokens / seconds if seconds > 0 else 0.0,

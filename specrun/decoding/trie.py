@@ -19,6 +19,15 @@ class Draft:
     source: int  # drafter id, for per-drafter stats
 
 
+@dataclass
+class DraftContext:
+    """What drafters see in one step; the self-drafter fills `guess` (its l_0 top-1) for those after it."""
+
+    root: int  # last committed token, K/V not yet cached
+    position: int  # the root's absolute position
+    guess: int | None = None
+
+
 @dataclass(frozen=True)
 class Trie:
     tokens: torch.Tensor  # [T] long

@@ -1,0 +1,192 @@
+"""Aggregate benchmark measurements into one report dict (JSON-ready) and render it as rich tables.
+
+summarize(measurements, names, kinds, ...) -> report dict; render(report, console) prints the human tables.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from specrun.bench.runner import Measurement
+from specrun.decoding.stats import PHASES
+
+STEP_PHASES = tuple(p for p in PHASES if p != "prefill")  # + "other": wall time no phase accounts for
+BASELINES = ("hf_ar", "specrun_ar")
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _paired_ratio(by_name: dict, name: str, base: str, rate) -> float | None:
+    """Median over repeats of rate(name, r) / rate(base, r) (interleaving makes the pairs comparable)."""
+    if base not in by_name or name not in by_name:
+        return None
+    pairs = [(rate(a), rate(b)) for a, b in zip(by_name[name], by_name[base])]
+    ratios = [x / y for x, y in pairs if x is not None and y]
+    return _median(ratios)
+
+
+def _phases(ms: list[Measurement]) -> tuple[dict[str, float], float, float]:
+    """Summed over repeats -> (fraction of decode time per phase incl. 'other', outside-forward fraction, prefill s)."""
+    totals = dict.fromkeys((*STEP_PHASES, "other"), 0.0)
+    prefill = decode = 0.0
+    for m in ms:
+        ph = m.stats.get("phase_seconds", {})
+        pre = float(ph.get("prefill", 0.0))
+        prefill += pre
+        decode += m.seconds - pre
+        for p in STEP_PHASES:
+            totals[p] += float(ph.get(p, 0.0))
+    totals["other"] = max(0.0, decode - sum(totals[p] for p in STEP_PHASES))
+    if decode <= 0:
+        return {}, 0.0, prefill
+    frac = {p: v / decode for p, v in totals.items()}
+    return frac, 1.0 - frac["forward"], prefill / len(ms)
+
+
+def _run_row(name: str, kind: str, ms: list[Measurement], by_name: dict) -> dict:
+    tps = [len(m.token_ids) / m.seconds for m in ms]
+    med = _median(tps)
+    row = {
+        "name": name, "kind": kind, "tokens": len(ms[0].token_ids), "tokens_per_s": med,
+        "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps), "tokens_per_s_all": tps,
+        "spread": (max(tps) - min(tps)) / med if med else None,
+        "seconds": _median([m.seconds for m in ms]),
+    }
+    for base in BASELINES:
+        row[f"ratio_to_{base}"] = _paired_ratio(by_name, name, base, lambda m: len(m.token_ids) / m.seconds)
+    if kind == "specrun":
+        st = [m.stats for m in ms]
+        row["mean_accepted"] = _median([s.get("mean_accepted", 0.0) for s in st])
+        row["steps"] = _median([s.get("steps", 0) for s in st])
+        row["mean_trie_nodes"] = _median([s.get("mean_trie_nodes", 0.0) for s in st])
+        for key in ("alpha", "beta"):
+            vals = [s[key] for s in st if isinstance(s.get(key), (int, float))]
+            row[key] = _median(vals)
+        row["tokens_by_drafter"] = st[0].get("tokens_by_drafter", {})
+        row["phase_fraction"], row["outside_forward_fraction"], row["prefill_seconds"] = _phases(ms)
+    else:
+        row["mean_accepted"] = None
+    return row
+
+
+def _lengths(by_name: dict, lengths: tuple[int, ...]) -> list[dict]:
+    """Per watched length: cumulative tok/s to reach it, and tok/s over the segment since the previous length."""
+    out, prev = [], 0
+    for n in sorted(lengths):
+        def cum(m, n=n):
+            s = m.at_length.get(n)
+            return n / s if s else None
+
+        def seg(m, n=n, prev=prev):
+            s, s0 = m.at_length.get(n), m.at_length.get(prev, 0.0) if prev else 0.0
+            return (n - prev) / (s - s0) if s and s > s0 else None
+
+        runs = []
+        for name, ms in by_name.items():
+            row = {"name": name, "tokens_per_s": _median([v for v in map(cum, ms) if v]),
+                   "segment_tokens_per_s": _median([v for v in map(seg, ms) if v])}
+            for base in BASELINES:
+                row[f"ratio_to_{base}"] = _paired_ratio(by_name, name, base, cum)
+                row[f"segment_ratio_to_{base}"] = _paired_ratio(by_name, name, base, seg)
+            runs.append(row)
+        out.append({"length": n, "since": prev, "runs": runs})
+        prev = n
+    return out
+
+
+def summarize(measurements: list[Measurement], kinds: dict[str, str], lengths: tuple[int, ...] = (),
+              greedy: bool = True, notes: list[str] = (), meta: dict | None = None) -> dict:
+    """-> {"runs": [...], "identical", "mismatches", "hf_ar_matches_specrun_ar", "lengths", "notes", **meta}"""
+    by_name: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        by_name.setdefault(m.name, []).append(m)
+    for ms in by_name.values():
+        ms.sort(key=lambda m: m.repeat)
+    spec_names = [n for n in by_name if kinds[n] == "specrun"]
+    ref_name = "specrun_ar" if "specrun_ar" in by_name else (spec_names[0] if spec_names else None)
+    mismatches = []
+    if ref_name is not None:
+        ref = by_name[ref_name][0].token_ids
+        for name in spec_names:
+            for m in by_name[name]:
+                d = _first_diff(m.token_ids, ref)
+                if d is not None:
+                    mismatches.append({"name": name, "repeat": m.repeat, "first_diff": d, "reference": ref_name,
+                                       "tokens": len(m.token_ids), "reference_tokens": len(ref)})
+    hf_match = None
+    if greedy and "hf_ar" in by_name and "specrun_ar" in by_name:
+        d = _first_diff(by_name["hf_ar"][0].token_ids, by_name["specrun_ar"][0].token_ids)
+        hf_match = {"identical": d is None, "first_diff": d}
+    report = dict(meta or {})
+    report.update({
+        "runs": [_run_row(n, kinds[n], ms, by_name) for n, ms in by_name.items()],
+        "identical": not mismatches, "mismatches": mismatches, "reference": ref_name,
+        "hf_ar_matches_specrun_ar": hf_match, "lengths": _lengths(by_name, lengths) if lengths else [],
+        "notes": list(notes),
+    })
+    return report
+
+
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def render(report: dict, console) -> None:
+    """Human tables: throughput and ratios, phase split per specrun run, ratios per length, then notes."""
+    from rich.table import Table
+
+    t = Table(title=f"specrun bench: {report.get('tokens', '?')} new tokens, {report.get('repeat', '?')} repeats, "
+                    f"{report.get('mode', '')}")
+    for c in ("run", "tok/s", "min-max", "x hf_ar", "x specrun_ar", "accepted/step", "alpha", "beta", "outside fwd"):
+        t.add_column(c, justify="left" if c == "run" else "right")
+    for r in report["runs"]:
+        t.add_row(r["name"], _f(r["tokens_per_s"], "{:.1f}"),
+                  f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}", _f(r["ratio_to_hf_ar"]),
+                  _f(r["ratio_to_specrun_ar"]), _f(r.get("mean_accepted")), _f(r.get("alpha")), _f(r.get("beta")),
+                  _f(r.get("outside_forward_fraction"), "{:.0%}"))
+    console.print(t)
+    spec = [r for r in report["runs"] if r.get("phase_fraction")]
+    if spec:
+        p = Table(title="time per phase (share of decode time, prefill excluded)")
+        p.add_column("run")
+        cols = [*STEP_PHASES, "other"]
+        for c in (*cols, "prefill s"):
+            p.add_column(c, justify="right")
+        for r in spec:
+            p.add_row(r["name"], *(_f(r["phase_fraction"].get(c), "{:.1%}") for c in cols),
+                      _f(r.get("prefill_seconds"), "{:.3f}"))
+        console.print(p)
+    if report.get("lengths"):
+        lt = Table(title="by generated length: tok/s to reach it (x hf_ar, x specrun_ar); segment x specrun_ar")
+        lt.add_column("run")
+        for blk in report["lengths"]:
+            lt.add_column(str(blk["length"]), justify="right")
+        for i, r in enumerate(report["lengths"][0]["runs"]):
+            cells = []
+            for blk in report["lengths"]:
+                x = blk["runs"][i]
+                cells.append(f"{_f(x['tokens_per_s'], '{:.1f}')} ({_f(x['ratio_to_hf_ar'])}, "
+                             f"{_f(x['ratio_to_specrun_ar'])}); seg {_f(x['segment_ratio_to_specrun_ar'])}")
+            lt.add_row(r["name"], *cells)
+        console.print(lt)
+    if report["identical"]:
+        console.print(f"[green]all specrun runs produced identical tokens[/green] (reference {report['reference']})")
+    else:
+        for m in report["mismatches"]:
+            console.print(f"[red]MISMATCH[/red] {m['name']} repeat {m['repeat']}: first differs from "
+                          f"{m['reference']} at token {m['first_diff']}")
+    hm = report.get("hf_ar_matches_specrun_ar")
+    if hm is not None:
+        console.print("hf_ar tokens " + ("match specrun_ar" if hm["identical"] else
+                                         f"differ from specrun_ar from token {hm['first_diff']}"))
+    for n in report.get("notes", []):
+        console.print(f"note: {n}")

@@ -1,0 +1,231 @@
+"""Side-by-side benchmark: HF generate (AR, prompt lookup) and specrun configurations, interleaved and repeated.
+
+run_bench(lm, hf_lm, prompt_ids, params, base, settings) -> raw per-run measurements (report.summarize aggregates them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.sampling import SamplingParams
+
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One benchmarked configuration: HF generate kwargs (kind "hf") or EngineConfig overrides (kind "specrun")."""
+
+    name: str
+    kind: str  # "hf" | "specrun"
+    overrides: tuple[tuple[str, object], ...] = ()
+    needs_heads: bool = False  # gets heads_path=--heads; skipped without heads or engine support
+
+
+# The table of configurations; ablations are rows. specrun_spec = the engine flags as given (default drafters).
+DEFAULT_RUNS: tuple[RunSpec, ...] = (
+    RunSpec("hf_ar", "hf"),
+    RunSpec("hf_prompt_lookup", "hf", (("prompt_lookup_num_tokens", HF_PROMPT_LOOKUP_TOKENS),)),
+    RunSpec("specrun_ar", "specrun", (("drafters", ()),)),
+    RunSpec("specrun_spec", "specrun"),
+    RunSpec("ngram_only", "specrun", (("drafters", ("ngram",)),)),
+    RunSpec("recycling_only", "specrun", (("drafters", ("recycling",)),)),
+    RunSpec("heads_partial", "specrun", (("drafters", ("heads",)), ("kv_mode", "partial")), needs_heads=True),
+)
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    max_tokens: int  # tokens generated per run (max(lengths) when lengths are given)
+    repeat: int = 3
+    lengths: tuple[int, ...] = ()  # report throughput when each of these generated lengths is reached
+    warmup: int = 16  # untimed tokens generated once per configuration first (0 = none)
+    heads_path: str | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.repeat < 1:
+            raise ValueError(f"repeat={self.repeat} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
+        bad = [n for n in self.lengths if not 1 <= n <= self.max_tokens]
+        if bad:
+            raise ValueError(f"length {bad[0]} must be in [1, max_tokens={self.max_tokens}]")
+
+
+@dataclass
+class Measurement:
+    """One timed generation."""
+
+    name: str
+    repeat: int
+    token_ids: list[int]
+    seconds: float  # wall clock of the whole call, prefill included
+    at_length: dict[int, float] = field(default_factory=dict)  # generated length -> seconds when first reached
+    stats: dict = field(default_factory=dict)  # specrun GenerationResult.stats ({} for HF)
+
+
+def plan(base: EngineConfig, heads_path: str | None, runs=DEFAULT_RUNS) -> tuple[list[tuple[RunSpec, object]], list[str]]:
+    """Resolve each row to an EngineConfig (specrun) or kwargs dict (hf); rows that cannot run are dropped with a note.
+
+    With heads_path (and an engine that knows it) every specrun row gets it, so specrun_spec drafts with heads too.
+    """
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    planned, notes = [], []
+    if heads_path and "heads_path" in names:
+        base = dataclasses.replace(base, heads_path=heads_path)  # specrun_spec: every drafter, heads included
+    elif base.drafters and "heads" in base.drafters and not getattr(base, "heads_path", None):
+        base = dataclasses.replace(base, drafters=tuple(d for d in base.drafters if d != "heads"))
+        notes.append("specrun_spec drafts without 'heads': no --heads given")
+    for spec in runs:
+        over = dict(spec.overrides)
+        if spec.kind == "hf":
+            planned.append((spec, over))
+            continue
+        if spec.needs_heads:
+            if not heads_path:
+                notes.append(f"{spec.name} skipped: no --heads given")
+                continue
+            over["heads_path"] = heads_path
+        missing = sorted(set(over) - names)
+        if missing:
+            notes.append(f"{spec.name} skipped: this engine's EngineConfig has no field {', '.join(missing)}")
+            continue
+        try:
+            config = dataclasses.replace(base, **over)
+            check = getattr(config, "active_drafters", None)  # engines with optional heads validate names here
+            if check is not None:
+                check(bool(config.heads_path) if "heads_path" in names else False)
+        except (ValueError, TypeError) as e:
+            notes.append(f"{spec.name} skipped: {e}")
+            continue
+        planned.append((spec, config))
+    return planned, notes
+
+
+def hf_notes(params: SamplingParams, prompt_len: int) -> list[str]:
+    """Where HF generate cannot run exactly the same sampling as specrun."""
+    notes = ["hf_*: EOS is masked until max_tokens (min_new_tokens); specrun runs with ignore_eos (EOS is an ordinary "
+             "token), so HF text may differ where the model would pick EOS"]
+    if params.penalty != 1.0 and params.penalty_window < prompt_len + params.max_tokens:
+        notes.append(f"hf_*: not comparable: HF repetition_penalty covers the whole context, specrun only the last "
+                     f"{params.penalty_window} tokens")
+    if not params.greedy:
+        notes.append("hf_*: sampled with torch's RNG (specrun uses counter-based Gumbel noise): same distribution, "
+                     "different tokens")
+    return notes
+
+
+def hf_generation_config(params: SamplingParams, n: int, eos_ids, pad_id: int | None, extra: dict):
+    """An explicit GenerationConfig (model defaults such as a shipped temperature are not inherited)."""
+    from transformers import GenerationConfig
+
+    eos = sorted(eos_ids)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=not params.greedy, num_beams=1,
+              eos_token_id=eos or None, pad_token_id=pad_id if pad_id is not None else (eos[0] if eos else None),
+              repetition_penalty=params.penalty, use_cache=True, **extra)
+    if not params.greedy:
+        kw.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                  min_p=params.min_p or None, eta_cutoff=params.eta)
+    return GenerationConfig(**kw)
+
+
+class _LengthClock:
+    """Records the wall time at which each watched generated length is first reached; counts emitted tokens."""
+
+    def __init__(self, lengths: tuple[int, ...], t0: float):
+        self.pending, self.t0, self.count, self.at = sorted(lengths), t0, 0, {}
+
+    def add(self, k: int) -> None:
+        self.count += k
+        while self.pending and self.count >= self.pending[0]:
+            self.at[self.pending.pop(0)] = time.perf_counter() - self.t0
+
+
+class _HFStreamer:
+    """transformers streamer protocol: put() is called with the prompt first, then with each new token chunk."""
+
+    def __init__(self, clock: _LengthClock):
+        self.clock, self.seen_prompt = clock, False
+
+    def put(self, value) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.clock.add(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_hf(hf_lm, prompt_ids: list[int], params: SamplingParams, n: int, extra: dict, lengths=()) -> tuple[list[int], float, dict]:
+    """HF generate on its own model copy -> (new token ids, seconds, {length: seconds})."""
+    pad = getattr(hf_lm.tokenizer, "pad_token_id", None)
+    gcfg = hf_generation_config(params, n, hf_lm.eos_ids, pad, extra)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=hf_lm.device)
+    torch.manual_seed(params.seed)
+    _sync(hf_lm.device)
+    t0 = time.perf_counter()
+    clock = _LengthClock(tuple(lengths), t0)
+    with torch.inference_mode():
+        out = hf_lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg,
+                                   streamer=_HFStreamer(clock) if lengths else None)
+    _sync(hf_lm.device)
+    seconds = time.perf_counter() - t0
+    return out[0, len(prompt_ids):].tolist(), seconds, clock.at
+
+
+def run_specrun(lm, config: EngineConfig, prompt_ids: list[int], params: SamplingParams, lengths=()):
+    """A fresh Engine (cold drafters: no recycling state from earlier runs) -> (tokens, seconds, {length: s}, stats)."""
+    engine = Engine(lm, config)  # construction (and any calibration) is not timed
+    _sync(lm.device)
+    t0 = time.perf_counter()
+    clock = _LengthClock(tuple(lengths), t0)
+
+    def on_step(tokens: list[int]) -> bool:
+        clock.add(len(tokens))
+        return False
+
+    result = engine.generate(prompt_ids, params, on_step=on_step if lengths else None)
+    _sync(lm.device)
+    return result.token_ids, time.perf_counter() - t0, clock.at, result.stats
+
+
+def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned, settings: BenchSettings,
+              log: Callable[[str], None] = lambda m: None) -> list[Measurement]:
+    """Every planned configuration `repeat` times, interleaved (the order rotates each repeat); warm-up untimed.
+
+    params.max_tokens is overridden by settings.max_tokens and ignore_eos is forced so every run has the same length.
+    """
+    params = dataclasses.replace(params, max_tokens=settings.max_tokens, ignore_eos=True)
+    warm = dataclasses.replace(params, max_tokens=min(settings.warmup, settings.max_tokens)) if settings.warmup else None
+
+    def once(spec: RunSpec, target, p: SamplingParams, lengths) -> tuple[list[int], float, dict, dict]:
+        if spec.kind == "hf":
+            toks, s, at = run_hf(hf_lm, prompt_ids, p, p.max_tokens, target, lengths)
+            return toks, s, at, {}
+        return run_specrun(lm, target, prompt_ids, p, lengths)
+
+    if warm is not None:
+        for spec, target in planned:
+            once(spec, target, warm, ())
+    out: list[Measurement] = []
+    for r in range(settings.repeat):
+        k = r % len(planned)
+        for spec, target in planned[k:] + planned[:k]:
+            toks, seconds, at, stats = once(spec, target, params, settings.lengths)
+            out.append(Measurement(spec.name, r, toks, seconds, at, stats))
+            log(f"repeat {r + 1}/{settings.repeat} {spec.name}: {len(toks)} tokens, {len(toks) / seconds:.1f} tok/s")
+    return out

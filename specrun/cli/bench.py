@@ -1,0 +1,122 @@
+"""`specrun bench`: HF generate and specrun configurations side by side, interleaved and repeated, in one process.
+
+Thin: parses flags into SamplingParams/EngineConfig/BenchSettings, loads two model copies, calls specrun.bench.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specrun.cli.options import engine_config_from, engine_options, model_options, sampling_options, sampling_params_from
+
+
+def _parse_lengths(value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        out = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r} is not a comma list of integers", param_hint="--lengths") from e
+    if not out or out[0] < 1:
+        raise click.BadParameter(f"{value!r}: lengths must be >= 1", param_hint="--lengths")
+    return out
+
+
+@click.command()
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Read the prompt text from this file.")
+@click.option("--max-tokens", type=int, default=512, show_default=True,
+              help="New tokens per run (with --lengths: the largest length).")
+@click.option("--repeat", type=int, default=3, show_default=True, help="Timed runs per configuration, interleaved.")
+@click.option("--lengths", help="Comma list of generated lengths to report ratios at, e.g. 2048,8192,16384.")
+@click.option("--warmup", type=int, default=16, show_default=True, help="Untimed warm-up tokens per configuration.")
+@click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run).")
+@model_options
+@sampling_options
+@engine_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number instead of tables.")
+def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, model, dtype, device,
+          trust_remote_code, as_json, **kw):
+    """Benchmark specrun against HF generate on one prompt: tok/s, ratios, acceptance, time per phase.
+
+    Runs hf_ar, hf_prompt_lookup, specrun_ar, specrun_spec (the --draft drafters) and the ablations ngram_only,
+    recycling_only and heads_partial (needs --heads), each --repeat times, interleaved. Every run generates the same
+    number of tokens (EOS is ignored), and all specrun runs must produce identical tokens.
+
+    \b
+    Examples:
+      specrun bench --model ~/.cache/specrun/proxy-v1 --prompt-file p.txt --max-tokens 4096
+      specrun bench --model M --prompt "def main(" --temperature 1 --min-p 0.1 --penalty 1.2 --json
+      specrun bench --model M --prompt-file p.txt --lengths 2048,8192,16384 --repeat 1
+    """
+    from specrun.bench.report import render, summarize
+    from specrun.bench.runner import DEFAULT_RUNS, BenchSettings, hf_notes, plan, run_bench
+    from specrun.cli.generate import load_for_cli
+
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt or --prompt-file")
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    lens = _parse_lengths(lengths)
+    n = max(lens) if lens else max_tokens
+    params = sampling_params_from(kw, n)
+    base = engine_config_from(kw)
+    heads_path = kw.get("heads_path")  # --heads (engine option): also enables the heads_partial ablation
+    try:
+        settings = BenchSettings(max_tokens=n, repeat=repeat, lengths=lens, warmup=warmup,
+                                 heads_path=str(heads_path) if heads_path else None)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    runs = DEFAULT_RUNS
+    if only:
+        keep = {r.strip() for r in only.split(",") if r.strip()}
+        unknown = sorted(keep - {r.name for r in DEFAULT_RUNS})
+        if unknown:
+            raise click.BadParameter(f"unknown run {unknown[0]!r}; choose from "
+                                     f"{', '.join(r.name for r in DEFAULT_RUNS)}", param_hint="--runs")
+        runs = tuple(r for r in DEFAULT_RUNS if r.name in keep)
+    planned, notes = plan(base, settings.heads_path, runs)
+    if not planned:
+        raise click.ClickException("nothing to run: " + "; ".join(notes))
+
+    lm = load_for_cli(model, dtype, device, trust_remote_code)
+    prompt_ids = lm.tokenizer.encode(text, add_special_tokens=True)
+    if not prompt_ids:
+        raise click.ClickException("the prompt encodes to no tokens")
+    if len(prompt_ids) + n > lm.max_context:
+        raise click.ClickException(f"prompt ({len(prompt_ids)} tokens) + {n} new tokens exceeds the model context "
+                                   f"of {lm.max_context}")
+    hf_lm = None
+    if any(spec.kind == "hf" for spec, _ in planned):
+        from specrun.decoding.models import load_model
+
+        hf_lm = load_model(lm.path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # own copy, SDPA
+        notes = hf_notes(params, len(prompt_ids)) + notes
+    notes.append("specrun runs use a fresh Engine each (cold drafters: no recycling state carried between runs)")
+
+    def log(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    try:
+        ms = run_bench(lm, hf_lm, prompt_ids, params, planned, settings, log=log)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    meta = {"model": lm.path, "fingerprint": lm.fingerprint, "device": str(lm.device), "dtype": dtype,
+            "prompt_tokens": len(prompt_ids), "tokens": n, "repeat": repeat,
+            "mode": "greedy" if params.greedy else "sampled",
+            "sampling": {k: getattr(params, k) for k in params.__dataclass_fields__},
+            "engine": dataclasses.asdict(base)}
+    report = summarize(ms, {spec.name: spec.kind for spec, _ in planned}, lens, params.greedy, notes, meta)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        from rich.console import Console
+
+        render(report, Console(file=sys.stdout, width=160))
+    if not report["identical"]:
+        sys.exit(1)

@@ -1,0 +1,186 @@
+"""`specrun submit | resume | status | export`: thin click commands over specrun.jobs.
+
+Errors are ClickExceptions naming the bad line or value; exit code is non-zero if any prompt failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specrun.cli.options import (engine_config_from, engine_options, model_options, sampling_options,
+                                 sampling_params_from)
+
+run_options = [
+    click.option("--actors", type=click.IntRange(min=1), default=None,
+                 help="Worker actors. Default: 1 on CPU, one per GPU of the Ray cluster with --device cuda."),
+    click.option("--gpus-per-actor", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                 help="GPUs per actor with --device cuda (fractional packs small models)."),
+    click.option("--address", envvar="RAY_ADDRESS", default=None,
+                 help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started quietly)."),
+    click.option("--hot-start", "hot_start", multiple=True, type=click.Path(exists=True, file_okay=False),
+                 help="Earlier job dir on the same model whose recycling matrix warms cold workers."),
+    click.option("--quiet", "-q", is_flag=True, help="No progress output (warnings and errors only)."),
+]
+
+
+def _apply(options):
+    def deco(f):
+        for o in reversed(options):
+            f = o(f)
+        return f
+    return deco
+
+
+def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None) -> int:
+    from specrun.jobs.driver import RunOptions, run_job
+    from specrun.jobs.jobdir import JobError
+
+    opts = RunOptions(actors=actors, address=address, gpus_per_actor=gpus_per_actor, hot_start=tuple(hot_start),
+                      quiet=quiet, model_path=model_path)
+    try:
+        summary = run_job(job, opts)
+    except JobError as e:
+        raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        return 130
+    return summary.exit_code
+
+
+@click.command()
+@click.argument("prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--max-tokens", type=click.IntRange(min=1), required=True, help="Most new tokens per prompt.")
+@click.option("--job-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Job directory (default: ./specrun-jobs/<prompts file name>).")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Checkpoint each running prompt every N new tokens.")
+@click.option("--checkpoint-seconds", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="... and at least every S seconds.")
+@model_options
+@sampling_options
+@engine_options
+@_apply(run_options)
+def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, model, dtype, device,
+           trust_remote_code, actors, gpus_per_actor, address, hot_start, quiet, **kw):
+    """Run every prompt of PROMPTS (JSON lines) as a resumable job on Ray workers.
+
+    Each line has one of "prompt", "messages" or "input_ids", an optional "id" and optional overrides
+    (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window); OpenAI batch lines
+    (custom_id + body) work too. The whole file is checked first; nothing starts if any line is bad.
+    Submitting again with the same input, model and flags resumes the job.
+
+    \b
+    Examples:
+      specrun submit prompts.jsonl --max-tokens 100000 --model /models/Llama-3.1-8B --device cuda
+      specrun submit prompts.jsonl --max-tokens 2000 --actors 2 --temperature 0.8 --seed 1
+      specrun status specrun-jobs/prompts
+    """
+    from specrun.jobs.inputs import InputError
+    from specrun.jobs.jobdir import JobError
+    from specrun.jobs.modelinfo import model_info
+    from specrun.jobs.submit import JobSettings, default_job_dir, prepare_job
+
+    params = sampling_params_from(kw, max_tokens)
+    engine = engine_config_from(kw)
+    settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
+    try:
+        info = model_info(model, trust_remote_code)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"cannot load model {model!r}: {e}") from e
+    job_dir = job_dir or default_job_dir(prompts)
+    try:
+        job, created = prepare_job(prompts, job_dir, info, settings, params, engine)
+    except (InputError, JobError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    if not quiet:
+        click.echo(f"{'created' if created else 'resuming'} job {job.root}", err=True)
+    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet))
+
+
+@click.command()
+@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--model", "model_path", default=None,
+              help="The job's model at a new location (its fingerprint must match the job's).")
+@_apply(run_options)
+def resume(job_dir, model_path, actors, gpus_per_actor, address, hot_start, quiet):
+    """Continue an interrupted job from its checkpoints (failed prompts are retried).
+
+    \b
+    Examples:
+      specrun resume specrun-jobs/prompts
+      specrun resume specrun-jobs/prompts --actors 4 --address ray://head:10001
+    """
+    from specrun.jobs.jobdir import JobDir, JobError
+
+    job = JobDir(job_dir)
+    try:
+        manifest = job.manifest()
+    except JobError as e:
+        raise click.ClickException(str(e)) from e
+    if model_path is not None:
+        from specrun.jobs.modelinfo import model_info
+
+        try:
+            info = model_info(model_path, manifest["model"].get("trust_remote_code", False))
+        except (ValueError, OSError) as e:
+            raise click.ClickException(f"cannot load model {model_path!r}: {e}") from e
+        if info.fingerprint != manifest["model"]["fingerprint"]:
+            raise click.ClickException(
+                f"model {model_path!r} (fingerprint {info.fingerprint}) is not the job's model "
+                f"{manifest['model']['path']!r} (fingerprint {manifest['model']['fingerprint']}); refusing to resume")
+        model_path = info.path
+    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path))
+
+
+@click.command()
+@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON.")
+def status(job_dir, as_json):
+    """Per-prompt state (pending, running, done, failed), tokens, tok/s, acceptance and ETA, with totals.
+
+    \b
+    Examples:
+      specrun status specrun-jobs/prompts
+      specrun status specrun-jobs/prompts --json | jq .totals
+    """
+    from specrun.jobs.jobdir import JobDir, JobError
+    from specrun.jobs.status import job_status, render_status
+
+    try:
+        st = job_status(JobDir(job_dir))
+    except JobError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+    else:
+        from rich.console import Console
+
+        render_status(st, Console())
+
+
+@click.command()
+@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+@click.option("-o", "--output", default=None, help="Output file (default for jsonl: stdout).")
+def export(job_dir, fmt, output):
+    """Write the finished rows (id, text, token_ids, finish_reason, stats...) in input order.
+
+    \b
+    Examples:
+      specrun export specrun-jobs/prompts > out.jsonl
+      specrun export specrun-jobs/prompts --format parquet -o out.parquet
+    """
+    from specrun.jobs.export import export as do_export
+    from specrun.jobs.jobdir import JobDir, JobError
+
+    try:
+        n, missing = do_export(JobDir(job_dir), fmt, output)
+    except (JobError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    if missing:
+        click.echo(f"note: {missing} prompt(s) are not done yet and were not exported", err=True)
+    if output not in (None, "-"):
+        click.echo(f"wrote {n} row(s) to {output}", err=True)

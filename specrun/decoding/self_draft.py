@@ -1,0 +1,97 @@
+"""TokenSwift self-drafting: one forward of the root against the partial KV cache, heads give l_0..l_gamma.
+
+Candidates follow a static tree spec such as (1, 3, 3, 3): level j takes the top-k_j tokens of l_{j-1}, Cartesian.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from specrun.decoding.heads import DraftHeads
+from specrun.decoding.partial_kv import PartialKV
+from specrun.decoding.runner import ModelRunner
+from specrun.decoding.trie import Draft, DraftContext
+
+
+class TreeTemplate:
+    """A spec like (1, 3, 3, 3) turned once into parents and (level, rank) per node; node 0 is the root."""
+
+    def __init__(self, spec: tuple[int, ...]):
+        if not spec or any(k < 1 for k in spec):
+            raise ValueError(f"tree spec {spec!r} needs one or more positive widths, e.g. 1,3,3,3")
+        self.spec = spec
+        parents, levels, ranks = [-1], [0], [0]
+        frontier = [0]
+        for depth, width in enumerate(spec, start=1):
+            nxt = []
+            for p, r in itertools.product(frontier, range(width)):
+                parents.append(p)
+                levels.append(depth)
+                ranks.append(r)
+                nxt.append(len(parents) - 1)
+            frontier = nxt
+        self.parents = parents
+        self.level = torch.tensor(levels[1:]) - 1  # which logits row (l_0, l_1, ...) each non-root node reads
+        self.rank = torch.tensor(ranks[1:])
+        self.kmax = max(spec)
+
+    def fill(self, root: int, logits: torch.Tensor) -> list[int]:
+        """# logits: [>=len(spec), V] (l_0, l_1, ...) -> tokens of every node, root first"""
+        top = torch.topk(logits[: len(self.spec)], self.kmax, dim=-1).indices  # [levels, kmax]
+        return [root, *top[self.level, self.rank].tolist()]
+
+
+class SelfDrafter:
+    """Drafts with the target model itself; keeps the partial cache in step with the committed cache."""
+
+    name = "heads"
+
+    def __init__(self, runner: ModelRunner, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
+        if len(tree) > heads.gamma + 1:
+            raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
+        self.runner, self.heads, self.kv = runner, heads, kv
+        self.template = TreeTemplate(tree)
+        self._logits: torch.Tensor | None = None  # [gamma+1, V]: l_0 and the heads' logits of the last draft
+        self._one = torch.ones((1, 1), dtype=torch.bool, device=runner.lm.device)
+        self._q_node = -1  # which token of runner.queries is the last committed one
+
+    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def start(self, seq: list[int]) -> None:
+        self.kv.reset()
+        self._q_node = -1  # prefill's last token; see note_committed
+
+    def note_committed(self, node: int) -> None:
+        """The last committed token is query row `node` of the last capturing forward (verify or prefill)."""
+        self._q_node = node
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.kv.mode != "full"
+
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        cache = self.runner.cache
+        select = self.kv.refresh(cache, self._last_query)
+        dev = cache.k.device
+        tok = torch.tensor([ctx.root], dtype=torch.long, device=dev)
+        pos = torch.tensor([ctx.position], dtype=torch.long, device=dev)
+        # its K/V land in the first free slot, which the verify forward overwrites: scratch, never committed
+        h0 = self.runner.forward(tok, pos, tree_mask=self._one, select=select)  # [1, H]
+        if self._logits is None:
+            self._logits = torch.empty((self.heads.gamma + 1, self.runner.lm_head.weight.shape[0]), device=dev)
+        with torch.inference_mode():
+            self._logits[0] = self.runner.logits(h0)[0]
+            self._logits[1:] = self.heads.logits(h0, self.runner.lm_head)[:, 0]
+        tokens = self.template.fill(ctx.root, self._logits)
+        ctx.guess = tokens[1]
+        return [Draft(tokens, self.template.parents, source)]
+
+    def _last_query(self) -> torch.Tensor:
+        """# -> [Lyr, Hq, D] query of the last committed token, per layer"""
+        return torch.stack([q[:, self._q_node] for q in self.runner.queries])

@@ -1,0 +1,70 @@
+"""Turn a prompts file + settings into a job directory: validate everything first (writing nothing on error), then
+create the job, or reuse an existing one with identical input/model/params, or refuse saying what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from specrun import __version__
+from specrun.decoding.engine import EngineConfig
+from specrun.decoding.sampling import SamplingParams
+from specrun.jobs.inputs import file_sha256, read_prompts
+from specrun.jobs.jobdir import JobDir, JobError, manifest_differences
+from specrun.jobs.modelinfo import ModelInfo
+from specrun.storage.schemas import SCHEMA_VERSION
+
+
+def default_job_dir(prompts_path: str | Path) -> Path:
+    return Path("specrun-jobs") / Path(prompts_path).stem
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+    dtype: str = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    checkpoint_every: int = 2048
+    checkpoint_seconds: float = 60.0
+
+    def __post_init__(self):
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1")
+        if self.checkpoint_seconds <= 0:
+            raise ValueError(f"checkpoint_seconds={self.checkpoint_seconds} must be > 0")
+
+
+def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: ModelInfo, settings: JobSettings,
+                   params: SamplingParams, engine: EngineConfig) -> dict:
+    return {
+        "specrun_version": __version__, "schema_version": SCHEMA_VERSION, "created_at": time.time(),
+        "input": {"path": str(prompts_path.resolve()), "sha256": input_sha, "n_prompts": n_prompts},
+        "model": {"arg": info.arg, "path": info.path, "fingerprint": info.fingerprint, "dtype": settings.dtype,
+                  "device": settings.device, "trust_remote_code": settings.trust_remote_code},
+        "params": dataclasses.asdict(params),
+        "engine": json.loads(json.dumps(dataclasses.asdict(engine))),  # tuples -> lists; rebuilt by engine_config()
+        "checkpoint": {"every": settings.checkpoint_every, "seconds": settings.checkpoint_seconds},
+    }
+
+
+def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, settings: JobSettings,
+                params: SamplingParams, engine: EngineConfig) -> tuple[JobDir, bool]:
+    """-> (job, created). Raises InputError (bad lines) or JobError (existing job differs) before writing anything."""
+    prompts_path = Path(prompts_path)
+    records = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params)
+    manifest = build_manifest(prompts_path, file_sha256(prompts_path), len(records), info, settings, params, engine)
+    job = JobDir(job_dir)
+    if job.exists():
+        diffs = manifest_differences(job.manifest(), manifest)
+        if diffs:
+            raise JobError(f"job {job.root} exists with different settings, refusing to mix them:\n  "
+                           + "\n  ".join(diffs) + "\nuse another --job-dir, or `specrun resume " + str(job.root)
+                           + "` to continue it as it was")
+        return job, False
+    if job.root.exists() and any(job.root.iterdir()):
+        raise JobError(f"{job.root} exists, is not empty and is not a specrun job; choose another --job-dir")
+    job.create(manifest, records)
+    return job, True

@@ -1,0 +1,76 @@
+"""Atomic file writes: a file becomes visible under its final name only complete (tmp name, flush, fsync, rename).
+
+Local paths only (a `file://` prefix is accepted); every job file goes through these helpers (I3).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def local_path(uri: str | os.PathLike) -> Path:
+    """A job location as a local Path; refuses URIs of other filesystems with a message naming the value."""
+    s = os.fspath(uri)
+    if s.startswith("file://"):
+        s = s[len("file://"):]
+    elif "://" in s:
+        raise ValueError(f"job location {s!r}: only local paths (or file://) are supported; "
+                         f"mount shared storage instead")
+    return Path(s)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to a temporary name in the same directory, fsync it, then os.replace it onto `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> Path:
+    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def atomic_write_table(path: str | os.PathLike, table: pa.Table) -> Path:
+    return atomic_write_bytes(path, table_bytes(table))
+
+
+def read_json(path: str | os.PathLike):
+    with open(path, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))

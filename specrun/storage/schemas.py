@@ -1,0 +1,47 @@
+"""Explicit Arrow schemas of every Parquet file in a job directory (prompts, progress chunks, outputs).
+
+Changing a schema changes SCHEMA_VERSION, which the job manifest records.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+PROMPTS = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("line", pa.int32(), nullable=False),  # 1-based line in the input file
+    pa.field("text", pa.string()),  # rendered prompt text; null when given as input_ids
+    pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("overrides", pa.string(), nullable=False),  # JSON object of per-prompt sampling overrides
+    pa.field("params", pa.string(), nullable=False),  # JSON of the effective SamplingParams (seed resolved)
+])
+
+CHUNK = pa.schema([
+    pa.field("start", pa.int64(), nullable=False),  # offset of the first token among the generated tokens
+    pa.field("end", pa.int64(), nullable=False),
+    pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("checksum", pa.string(), nullable=False),  # sha256 over (start, end, token bytes)
+    pa.field("written_at", pa.float64(), nullable=False),
+])
+
+OUTPUT = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("text", pa.string(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("n_tokens", pa.int64(), nullable=False),
+    pa.field("prompt_tokens", pa.int64(), nullable=False),
+    pa.field("resumed_tokens", pa.int64(), nullable=False),  # read back from checkpoints, re-prefilled, not regenerated
+    pa.field("seconds", pa.float64(), nullable=False),  # generation seconds of the run that finished the prompt
+    pa.field("steps", pa.int64(), nullable=False),  # decoding steps of that run
+    pa.field("mean_accepted", pa.float64(), nullable=False),  # tokens per step of that run
+    pa.field("tokens_per_s", pa.float64(), nullable=False),
+    pa.field("distinct_1", pa.float64(), nullable=False),
+    pa.field("distinct_2", pa.float64(), nullable=False),
+    pa.field("distinct_3", pa.float64(), nullable=False),
+    pa.field("distinct_4", pa.float64(), nullable=False),
+    pa.field("attempts", pa.int32(), nullable=False),
+    pa.field("stats", pa.string(), nullable=False),  # JSON of the engine stats
+])

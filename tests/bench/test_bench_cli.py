@@ -1,0 +1,83 @@
+"""Smoke tests: `specrun bench --json` on a tiny model (every run name, identical tokens) and proxy_model.py.
+
+Benchmarks are not tests: these only check that the tools run end to end and report what they promise.
+"""
+
+from __future__ import annotations
+
+import json
+import importlib.util
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from specrun.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_RUNS = {"hf_ar", "hf_prompt_lookup", "specrun_ar", "specrun_spec", "ngram_only", "recycling_only"}
+
+
+def _bench(model_dir: str, *extra: str) -> dict:
+    args = ["bench", "--model", model_dir, "--prompt", "abcabc abcabc", "--max-tokens", "12", "--repeat", "1",
+            "--warmup", "0", "--dtype", "float64", "--json", *extra]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_bench_json_greedy(tiny_models):
+    report = _bench(tiny_models["llama_gqa"])
+    runs = {r["name"]: r for r in report["runs"]}
+    assert BASE_RUNS <= set(runs)
+    assert report["identical"] is True and report["mismatches"] == []
+    for r in runs.values():
+        assert r["tokens"] == 12 and r["tokens_per_s"] > 0
+    assert runs["specrun_ar"]["ratio_to_specrun_ar"] == 1.0
+    assert runs["specrun_spec"]["mean_accepted"] >= 1.0
+    assert abs(sum(runs["specrun_spec"]["phase_fraction"].values()) - 1.0) < 1e-6
+    assert any("heads_partial skipped" in n for n in report["notes"])  # no --heads given
+
+
+def test_bench_sampled_lengths_and_run_filter(tiny_models):
+    report = _bench(tiny_models["llama_mha"], "--temperature", "1", "--min-p", "0.1", "--penalty", "1.2",
+                    "--penalty-window", "4", "--lengths", "4,12", "--runs", "hf_ar,specrun_ar,specrun_spec")
+    assert [r["name"] for r in report["runs"]] == ["hf_ar", "specrun_ar", "specrun_spec"]
+    assert report["identical"] is True
+    assert [b["length"] for b in report["lengths"]] == [4, 12]
+    assert any("not comparable" in n for n in report["notes"])  # windowed penalty vs HF's whole-context one
+
+
+def test_bench_rejects_bad_flags(tiny_models):
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_mha"], "--prompt", "x", "--runs", "nope"])
+    assert res.exit_code != 0 and "nope" in res.output
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_mha"], "--prompt", "x", "--lengths", "a,2"])
+    assert res.exit_code != 0 and "a,2" in res.output
+
+
+def _load_proxy_script():
+    spec = importlib.util.spec_from_file_location("proxy_model", REPO / "bench" / "proxy_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_proxy_model_script_smoke(tmp_path, capsys):
+    out = tmp_path / "proxy"
+    argv = ["--out", str(out), "--steps", "3", "--max-files", "12", "--vocab", "300", "--hidden", "32", "--layers", "1",
+            "--heads", "2", "--kv-heads", "1", "--seq-len", "32", "--batch-size", "2", "--eval-windows", "2",
+            "--heads-steps", "2", "--threads", str(torch.get_num_threads())]
+    assert _load_proxy_script().main(argv) == 0
+    assert "held-out loss" in capsys.readouterr().out
+    from specrun.decoding.models import load_model
+
+    lm = load_model(str(out))
+    text = "def f(x):\n    return x"
+    assert lm.tokenizer.decode(lm.tokenizer.encode(text), skip_special_tokens=True) == text
+    info = json.loads((out / "proxy_info.json").read_text())
+    assert info["steps"] == 3 and info["heldout_loss"] > 0
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary directories left behind
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    # the heads it trained plug into the bench's heads ablation
+    report = _bench(str(out), "--heads", str(out / "heads"), "--runs", "specrun_ar,heads_partial")
+    assert [r["name"] for r in report["runs"]] == ["specrun_ar", "heads_partial"] and report["identical"] is True

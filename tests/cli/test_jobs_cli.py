@@ -1,0 +1,203 @@
+"""`specrun submit/resume/status/export` end to end: the driver SIGKILLed mid-run then resumed, a worker process
+killed mid-generation, a second driver refused, different model/params refused. Drivers run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specrun.cli import main
+from specrun.jobs.jobdir import JobDir
+from specrun.storage.chunks import read_progress
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [{"id": "alpha", "prompt": "Once upon a time"}, {"id": "beta", "prompt": "abc abc"},
+           {"id": "gamma/3", "prompt": "The end.", "max_tokens": 700}]
+FLAGS = ["--max-tokens", "1000", "--temperature", "1.0", "--seed", "42", "--ignore-eos", "--checkpoint-every", "32",
+         "--actors", "2", "--draft", "ngram,recycling"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["llama_mha"]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in PROMPTS))
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """Uninterrupted outputs for PROMPTS + FLAGS, made in-process by the engine (prompt seeds as the job derives)."""
+    import torch
+
+    from specrun.decoding.engine import Engine
+    from specrun.decoding.models import load_model
+    from specrun.decoding.sampling import SamplingParams
+    from specrun.jobs.inputs import read_prompts
+    from specrun.jobs.modelinfo import model_info
+
+    d = tmp_path_factory.mktemp("ref")
+    (d / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in PROMPTS))
+    info = model_info(model)
+    recs = read_prompts(d / "p.jsonl", info.tokenizer, info.max_context, info.vocab_size,
+                        SamplingParams(max_tokens=1000, temperature=1.0, seed=42, ignore_eos=True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(load_model(model))
+        return {r.id: engine.generate(list(r.input_ids), r.params).token_ids for r in recs}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cmd(*args) -> list[str]:
+    return [sys.executable, "-c", "from specrun.cli import main; main()", *map(str, args)]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def _start(args, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(_cmd(*args), env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _end_group(p: subprocess.Popen) -> None:
+    """Kill what is left of a driver we started (its local Ray helpers share its process group)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def _wait_for(cond, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _outputs(job_dir: Path) -> dict[str, dict]:
+    rows = JobDir(job_dir).records.read_outputs().to_pylist()
+    assert len(rows) == len({r["id"] for r in rows}) == len(PROMPTS)  # nothing lost, nothing duplicated
+    return {r["id"]: r for r in rows}
+
+
+def test_driver_sigkill_then_resume_is_identical_and_regenerates_nothing_checkpointed(model, prompts_file, tmp_path,
+                                                                                      reference):
+    job_dir = tmp_path / "job"
+    t0 = time.monotonic()
+    p = _start(["submit", prompts_file, "--model", model, "--job-dir", job_dir, *FLAGS], tmp_path / "submit.log")
+    try:
+        _wait_for(lambda: len(list(job_dir.glob("progress/*/chunk-*"))) >= 3, 180, "three checkpoint chunks")
+        os.kill(p.pid, signal.SIGKILL)
+        t_kill = time.monotonic() - t0
+    finally:
+        _end_group(p)
+    job = JobDir(job_dir)
+    saved = {q.id: len(read_progress(job.progress_dir(q.id), quarantine=False)) for q in job.prompts()}
+    assert sum(saved.values()) >= 96
+    done_before = {q.id for q in job.prompts() if job.records.is_done(q.id)}
+
+    st = json.loads(CliRunner().invoke(main, ["status", str(job_dir), "--json"]).stdout)
+    assert not st["driver"]["running"]  # the dead driver's lock is stale
+    assert {r["state"] for r in st["prompts"]} <= {"pending", "done"}
+
+    t1 = time.monotonic()
+    r = subprocess.run(_cmd("resume", job_dir), env=_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _outputs(job_dir)
+    for pid, toks in reference.items():
+        row = out[pid]
+        assert row["token_ids"] == toks, pid
+        if pid not in done_before:  # every checkpointed token was re-prefilled, none regenerated
+            assert row["resumed_tokens"] >= saved[pid]
+            assert json.loads(row["stats"])["new_tokens"] == row["n_tokens"] - row["resumed_tokens"]
+    print(f"\ntimeline: submit, SIGKILL at {t_kill:.1f}s with {saved} tokens checkpointed; "
+          f"resume took {time.monotonic() - t1:.1f}s; resumed_tokens "
+          f"{ {k: v['resumed_tokens'] for k, v in out.items()} }")
+
+    exported = CliRunner().invoke(main, ["export", str(job_dir)]).stdout.strip().splitlines()
+    assert sorted(json.loads(x)["id"] for x in exported) == sorted(reference)
+
+
+def test_killing_a_worker_process_mid_generation_still_completes_identically(model, prompts_file, tmp_path, reference):
+    job_dir = tmp_path / "job"
+    p = _start(["submit", prompts_file, "--model", model, "--job-dir", job_dir, *FLAGS], tmp_path / "submit.log")
+    try:
+        def busy_worker():
+            for f in job_dir.glob("live/*.json"):
+                try:
+                    info = json.loads(f.read_text())
+                except ValueError:
+                    continue
+                if info.get("checkpointed", 0) >= 32 and info["tokens"] < info["max_tokens"] - 200:
+                    return info
+            return None
+
+        victim = _wait_for(busy_worker, 180, "a worker with a checkpoint")
+        os.kill(victim["pid"], signal.SIGKILL)
+        rc = p.wait(timeout=400)
+    finally:
+        _end_group(p)
+    assert rc == 0, (tmp_path / "submit.log").read_text()
+    out = _outputs(job_dir)
+    for pid, toks in reference.items():
+        assert out[pid]["token_ids"] == toks, pid
+    row = out[victim["id"]]
+    assert row["attempts"] == 2 and row["resumed_tokens"] >= victim["checkpointed"]
+    assert "worker lost" in (tmp_path / "submit.log").read_text()
+
+
+def test_second_driver_and_changed_model_or_params_are_refused(model, tiny_models, prompts_file, tmp_path):
+    from specrun.decoding.engine import EngineConfig
+    from specrun.decoding.sampling import SamplingParams
+    from specrun.jobs.modelinfo import model_info
+    from specrun.jobs.submit import JobSettings, prepare_job
+
+    job_dir = tmp_path / "job"
+    job, _ = prepare_job(prompts_file, job_dir, model_info(model), JobSettings(checkpoint_every=32),
+                         SamplingParams(max_tokens=1000, temperature=1.0, seed=42, ignore_eos=True),
+                         EngineConfig(drafters=("ngram", "recycling")))
+    job.acquire_lock()  # this test process plays the running driver
+    try:
+        for args in (["resume", str(job_dir)],
+                     ["submit", str(prompts_file), "--model", model, "--job-dir", str(job_dir), *FLAGS]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code != 0 and f"being run by another driver (pid {os.getpid()}" in r.output, r.output
+    finally:
+        job.release_lock()
+    snapshot = {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")}
+    r = CliRunner().invoke(main, ["resume", str(job_dir), "--model", tiny_models["llama_gqa"]])
+    assert r.exit_code != 0 and "is not the job's model" in r.output
+    flags = [x if x != "1.0" else "0.5" for x in FLAGS]
+    r = CliRunner().invoke(main, ["submit", str(prompts_file), "--model", model, "--job-dir", str(job_dir), *flags])
+    assert r.exit_code != 0 and "params.temperature: job has 1.0, now 0.5" in r.output
+    r = CliRunner().invoke(main, ["submit", str(prompts_file), "--model", tiny_models["llama_gqa"],
+                                  "--job-dir", str(job_dir), *FLAGS])
+    assert r.exit_code != 0 and "model.fingerprint" in r.output
+    assert {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")} == snapshot
+
+
+def test_help_has_examples():
+    for cmd in ("submit", "resume", "status", "export"):
+        r = CliRunner().invoke(main, [cmd, "--help"])
+        assert r.exit_code == 0 and "Examples:" in r.output and "specrun " + cmd in r.output

@@ -1,0 +1,80 @@
+"""TokenSwift self-drafting: tree template, lossless in every KV mode with untrained and trained heads."""
+
+import pytest
+import torch
+
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.heads import DraftHeads
+from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.self_draft import TreeTemplate
+
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def test_tree_template_is_cartesian_per_level():
+    t = TreeTemplate((1, 3, 3, 3))
+    assert len(t.parents) == 1 + 1 + 3 + 9 + 27
+    logits = torch.zeros(4, 50)
+    for row in range(4):
+        logits[row, [10 * row + 1, 10 * row + 2, 10 * row + 3]] = torch.tensor([3.0, 2.0, 1.0])
+    tokens = t.fill(99, logits)
+    assert tokens[:5] == [99, 1, 11, 12, 13]
+    assert tokens[5:8] == [21, 22, 23] and tokens[-1] == 33
+    assert t.parents[:5] == [-1, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="tree"):
+        TreeTemplate((1, 0))
+
+
+def heads_for(lm, trained: bool):
+    heads = DraftHeads(lm.model.config.hidden_size, 3).to(lm.dtype)
+    if trained:  # weights that make the heads disagree with l_0 (a stand-in for training; real training: test_train_heads)
+        g = torch.Generator().manual_seed(0)
+        for lin in heads.linears:
+            lin.weight.data = torch.randn(lin.weight.shape, generator=g, dtype=lm.dtype) * 0.3
+    return heads
+
+
+def hf_greedy(lm, prompt, n):
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_lossless_in_every_kv_mode(load_fixture, trained):
+    lm = load_fixture("qwen2")
+    prompt = lm.tokenizer.encode(PROMPT)
+    heads = heads_for(lm, trained)
+    greedy_ref = hf_greedy(lm, prompt, 300)
+    sampled = SamplingParams(max_tokens=200, temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=40, seed=2,
+                             ignore_eos=True)
+    sampled_ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, sampled).token_ids
+    for mode in ("full", "partial", "dynamic"):
+        for drafters in (("heads",), None):
+            # a budget below the prompt length puts the partial cache to work from the first step
+            cfg = EngineConfig(drafters=drafters, kv_mode=mode, kv_budget=24, kv_sinks=4)
+            res = Engine(lm, cfg, heads=heads).generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True))
+            assert res.token_ids == greedy_ref, (mode, drafters)
+            assert res.stats["tokens_by_drafter"]["heads"] > 0
+            if mode == "dynamic":
+                assert res.stats["kv_rebuilds"] > 1
+            assert Engine(lm, cfg, heads=heads).generate(prompt, sampled).token_ids == sampled_ref, (mode, drafters)
+
+
+def test_full_cache_draft_predicts_the_next_greedy_token(load_fixture):
+    """With the full cache, l_0 of the draft forward is the model's own next-token distribution: its top-1 is
+    always accepted under greedy decoding, so untrained heads give at least 2 tokens per step."""
+    lm = load_fixture("llama_mha")
+    prompt = lm.tokenizer.encode("a b c d e f")
+    engine = Engine(lm, EngineConfig(drafters=("heads",), kv_mode="full"), heads=heads_for(lm, False))
+    per_step = []
+    engine.generate(prompt, SamplingParams(max_tokens=101, ignore_eos=True), on_step=lambda t: per_step.append(len(t)))
+    assert min(per_step[:-1]) >= 2  # the last step may be cut by max_tokens
+
+
+def test_heads_drafter_needs_heads(load_fixture):
+    lm = load_fixture("llama_mha")
+    with pytest.raises(ValueError, match="heads"):
+        Engine(lm, EngineConfig(drafters=("heads",)))
+    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == ["ngram", "recycling"]

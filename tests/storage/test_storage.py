@@ -1,0 +1,147 @@
+"""Storage: atomic writes, safe names, progress chunks (corrupt/truncated/gaps/overlaps), matrix snapshots, records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from specrun.storage.atomic import atomic_write_bytes, atomic_write_json, local_path, read_json
+from specrun.storage.chunks import chunk_name, progress_count, read_progress, write_chunk
+from specrun.storage.names import id_key
+from specrun.storage.records import Records, distinct_n, output_row
+from specrun.storage.schemas import CHUNK, OUTPUT
+from specrun.storage.state import load_matrix, save_matrix
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temporaries(tmp_path):
+    p = tmp_path / "a" / "f.json"
+    atomic_write_json(p, {"x": 1})
+    atomic_write_json(p, {"x": 2})
+    assert read_json(p) == {"x": 2}
+    assert [f.name for f in p.parent.iterdir()] == ["f.json"]
+
+
+def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
+    p = tmp_path / "f.bin"
+    atomic_write_bytes(p, b"old")
+
+    def boom(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("os.replace", boom)
+    with pytest.raises(OSError):
+        atomic_write_bytes(p, b"new")
+    assert p.read_bytes() == b"old"
+    assert [f.name for f in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_local_path_accepts_file_uri_and_refuses_other_schemes(tmp_path):
+    assert local_path(f"file://{tmp_path}") == tmp_path
+    with pytest.raises(ValueError, match="s3://bucket/job"):
+        local_path("s3://bucket/job")
+
+
+@pytest.mark.parametrize("pid", ["../../etc/passwd", "a/b", ".hidden", "", "x" * 500, "Ünï cödé", "CON"])
+def test_id_key_is_a_safe_file_name(pid):
+    key = id_key(pid)
+    assert "/" not in key and not key.startswith(".") and len(key) <= 60
+    assert set(key) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def test_id_key_distinguishes_ids_that_escape_alike():
+    assert len({id_key(s) for s in ["a/b", "a_b", "a?b", "A_b", "a_B"]}) == 5
+
+
+def test_chunks_round_trip_in_order(tmp_path):
+    write_chunk(tmp_path, 0, [1, 2, 3])
+    write_chunk(tmp_path, 3, [4, 5])
+    assert read_progress(tmp_path) == [1, 2, 3, 4, 5]
+    assert progress_count(tmp_path) == 5
+    t = pq.read_table(tmp_path / chunk_name(0, 3))
+    assert t.schema.equals(CHUNK)
+
+
+def test_missing_dir_is_no_progress(tmp_path):
+    assert read_progress(tmp_path / "nope") == [] and progress_count(tmp_path / "nope") == 0
+
+
+def test_truncated_chunk_is_dropped_with_everything_after_it(tmp_path):
+    write_chunk(tmp_path, 0, [1, 2])
+    bad = write_chunk(tmp_path, 2, [3, 4])
+    write_chunk(tmp_path, 4, [5, 6])
+    bad.write_bytes(bad.read_bytes()[:-20])
+    assert read_progress(tmp_path) == [1, 2]
+    assert (tmp_path / (bad.name + ".corrupt")).exists() and not bad.exists()
+
+
+def test_bit_flip_is_caught_by_checksum(tmp_path):
+    import pyarrow as pa
+
+    write_chunk(tmp_path, 0, [1, 2])
+    # a well-formed Parquet file whose tokens do not match their checksum
+    good = pq.read_table(tmp_path / chunk_name(0, 2)).to_pylist()[0]
+    good["token_ids"] = [1, 9]
+    pq.write_table(pa.Table.from_pylist([good], schema=CHUNK), tmp_path / chunk_name(0, 2))
+    assert read_progress(tmp_path) == []
+
+
+def test_chunk_whose_name_disagrees_with_its_content_is_invalid(tmp_path):
+    p = write_chunk(tmp_path, 0, [1, 2])
+    p.rename(tmp_path / chunk_name(5, 7))
+    write_chunk(tmp_path, 0, [1, 2])
+    assert read_progress(tmp_path) == [1, 2]
+
+
+def test_regenerated_chunks_overlapping_old_ones_read_consistently(tmp_path):
+    write_chunk(tmp_path, 0, [1, 2, 3])
+    bad = write_chunk(tmp_path, 3, [4, 5, 6])
+    write_chunk(tmp_path, 6, [7, 8, 9])
+    bad.write_bytes(b"garbage")
+    assert read_progress(tmp_path) == [1, 2, 3]
+    # the regenerated run checkpoints at other boundaries and overlaps the old chunk 6-9
+    write_chunk(tmp_path, 3, [4, 5, 6, 7])
+    assert read_progress(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_write_chunk_never_rewrites(tmp_path):
+    p = write_chunk(tmp_path, 0, [1])
+    mtime = p.stat().st_mtime_ns
+    write_chunk(tmp_path, 0, [1])
+    assert p.stat().st_mtime_ns == mtime
+    with pytest.raises(ValueError):
+        write_chunk(tmp_path, 1, [])
+
+
+def test_matrix_snapshot_round_trip_and_fingerprint_check(tmp_path):
+    m = np.arange(40, dtype=np.int64).reshape(5, 8)
+    save_matrix(tmp_path, 0, {"matrix": m}, "fp1")
+    assert np.array_equal(load_matrix(tmp_path, "fp1", 0)["matrix"], m)
+    assert np.array_equal(load_matrix(tmp_path, "fp1", 3)["matrix"], m)  # another slot falls back to any snapshot
+    assert load_matrix(tmp_path, "other-model", 0) is None
+    (tmp_path / "recycling-000.safetensors").write_bytes(b"junk")
+    assert load_matrix(tmp_path, "fp1", 0) is None
+    assert load_matrix(tmp_path / "missing", "fp1") is None
+
+
+def test_distinct_n():
+    assert distinct_n([1, 1, 1, 1], 1) == 0.25
+    assert distinct_n([1, 2, 1, 2], 2) == 2 / 3
+    assert distinct_n([1], 2) == 0.0
+
+
+def test_records_output_then_marker_and_repair(tmp_path):
+    rec = Records(tmp_path)
+    row = output_row("a/b", [1, 2, 3], "xyz", "length", {"steps": 2, "seconds": 0.5, "mean_accepted": 1.5},
+                     prompt_tokens=4, resumed_tokens=1, attempts=1)
+    rec.mark_failed("a/b", "boom", 1)
+    rec.write_output(row)
+    assert rec.is_done("a/b") and rec.failure("a/b") is None
+    t = rec.read_outputs()
+    assert t.schema.equals(OUTPUT) and t.column("id").to_pylist() == ["a/b"]
+    assert t.column("distinct_1").to_pylist() == [1.0]
+    # a crash between the output row and its marker: the marker is restored from the durable row
+    next(iter(rec.done.iterdir())).unlink()
+    assert not rec.is_done("a/b")
+    assert rec.repair_marker("a/b") and rec.is_done("a/b")
+    assert not rec.repair_marker("never-ran")
