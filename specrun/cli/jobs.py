@@ -90,6 +90,10 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
         info = model_info(model, trust_remote_code)
     except (ValueError, OSError) as e:
         raise click.ClickException(f"cannot load model {model!r}: {e}") from e
+    if info.is_demo:
+        from specrun.cli.generate import DEMO_NOTICE
+
+        click.echo(DEMO_NOTICE, err=True)
     job_dir = job_dir or default_job_dir(prompts)
     try:
         job, created = prepare_job(prompts, job_dir, info, settings, params, engine)

@@ -229,6 +229,9 @@ class _Driver:
         if s.interrupted:
             self.display.warn(f"stopped; every generated token is checkpointed. Resume with: "
                               f"specrun resume {self.job.root}")
+        if not s.interrupted and not s.failed:
+            self.display.log(f"outputs: {self.job.root}/outputs; read them with: specrun export {self.job.root} "
+                             f"--format jsonl")
         if s.failed:
             self.display.warn(f"{len(s.failed)} prompt(s) failed; see `specrun status {self.job.root}`; "
                               f"`specrun resume {self.job.root}` retries them")
