@@ -195,7 +195,8 @@ def maybe_train_heads(model_dir: Path, train_files: list[Path], args, log) -> st
                 fh.write(json.dumps({"text": read_text(f)}) + "\n")
         metrics = train_heads(lm, [str(data)], str(work / "heads"), seq_len=args.seq_len, steps=args.heads_steps,
                               lr=args.heads_lr, batch_size=args.batch_size, grad_accum=1,
-                              warmup=max(1, args.heads_steps // 10), seed=args.seed)
+                              warmup=max(1, args.heads_steps // 10), seed=args.seed,
+                              heldout_fraction=0.01)  # evaluation of every held-out sequence dominates otherwise
         if final.exists():
             shutil.rmtree(final)
         os.rename(work / "heads", final)

@@ -49,7 +49,9 @@ engine_options = _stack(
                       f"autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
     click.option("--heads", "heads_path", type=click.Path(exists=True, file_okay=False), default=None,
                  help="Trained draft heads directory (specrun train-heads) for TokenSwift self-drafting."),
-    click.option("--trie-budget", type=int, default=64, show_default=True, help="Most trie nodes verified per step."),
+    click.option("--trie-budget", type=int, default=64, show_default=True,
+                 help="Most trie nodes verified per step; the engine picks the fastest width up to it."),
+    click.option("--fixed-budget", is_flag=True, help="Always verify --trie-budget nodes (no adaptive sizing)."),
     click.option("--ngram-topk", type=int, default=20, show_default=True,
                  help="N-gram continuations proposed per step (0 = none)."),
     click.option("--tree", default="1,3,3,3", show_default=True,
@@ -92,6 +94,7 @@ def engine_config_from(kw: dict) -> EngineConfig:
     try:
         return EngineConfig(
             drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
+            adaptive_budget=not kw["fixed_budget"],
             heads_path=kw["heads_path"], tree=parse_tree(kw["tree"]), kv_mode=kw["kv_mode"],
             kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"],
         )

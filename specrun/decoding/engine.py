@@ -5,11 +5,13 @@ Output equals plain AR decoding of the model for the same prompt, params and see
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specrun.decoding.budget import BudgetTuner, calibrate
 from specrun.decoding.drafters import DRAFTER_NAMES, Drafter, NGramDrafter, RecyclingDrafter
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
@@ -30,7 +32,8 @@ RECYCLING_K = 8
 @dataclass(frozen=True)
 class EngineConfig:
     drafters: tuple[str, ...] | None = None  # None = every drafter available (heads need heads_path); () = plain AR
-    trie_budget: int = 64
+    trie_budget: int = 64  # most nodes per verify; with adaptive_budget the engine picks the best width up to it
+    adaptive_budget: bool = True
     ngram_topk: int = 20
     prefill_chunk: int = 256
     heads_path: str | None = None  # trained draft heads (specrun train-heads); enables the "heads" drafter
@@ -100,6 +103,7 @@ class Engine:
             else:
                 self.drafters.append(RecyclingDrafter(self.recycling))
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
+        self.tuner: BudgetTuner | None = None  # calibrated on the first generation that drafts
 
     # -- the recipe ---------------------------------------------------------------------------------------------
     def generate(
@@ -119,18 +123,24 @@ class Engine:
         window = PenaltyWindow(self.vocab_size, params.penalty_window, self.lm.device) if params.uses_penalty else None
         if window:
             window.reset(st.seq, st.n)
+        if self.drafters and self.config.adaptive_budget and self.tuner is None:
+            self.tuner = BudgetTuner(self.config.trie_budget, calibrate(self._dry_forward))
         while not done:
             ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
             with stats.time("draft"):
                 drafts = [d for i, drafter in enumerate(self.drafters) for d in drafter.propose(ctx, i)]
             with stats.time("trie"):
-                trie = build_trie(ctx.root, drafts, self.config.trie_budget, self.lm.device)
+                budget = self.tuner.choose() if self.tuner else self.config.trie_budget
+                trie = build_trie(ctx.root, drafts, budget, self.lm.device)
+            t_fwd = time.perf_counter()
             with stats.time("forward"):
                 logits = self._verify(st, trie)
             with stats.time("walk"):
                 choice = self._choose(st, trie, logits, params, window)
                 path = walk(trie, choice)
                 emitted = self._stop_rules(st, choice[path].tolist(), params)
+                if self.tuner:  # the choice's .tolist() has synchronised: this is the forward's real cost
+                    self.tuner.observe(budget, path[1:].tolist(), time.perf_counter() - t_fwd)
             with stats.time("commit"):
                 self._commit(st, path, emitted, window)
                 if self.self_draft is not None:
@@ -167,6 +177,14 @@ class Engine:
         for d in self.drafters:
             d.start(known)
         return _State(seq, len(known), len(prompt_ids), resumed)
+
+    def _dry_forward(self, width: int) -> None:
+        """A verify-shaped forward of `width` tokens into scratch slots (nothing is committed): for calibration."""
+        dev, L = self.lm.device, self.runner.cache.length
+        tokens = torch.zeros(width, dtype=torch.long, device=dev)
+        positions = torch.arange(L, L + width, device=dev)
+        mask = torch.ones((width, width), dtype=torch.bool, device=dev).tril_()
+        self.runner.logits(self.runner.forward(tokens, positions, mask))
 
     def _verify(self, st: _State, trie: Trie) -> torch.Tensor:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> logits [T, V]"""

@@ -48,7 +48,7 @@ def test_greedy_equals_hf_generate_with_every_drafter_set(tiny_models, name):
     ref = hf_greedy(lm, prompt, n)
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     for drafters in DRAFTS:
-        res = Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params)
+        res = Engine(lm, EngineConfig(drafters=drafters, adaptive_budget=False)).generate(prompt, params)
         assert res.token_ids == ref, f"{name} {drafters}: first diff at " + str(
             next(i for i, (a, b) in enumerate(zip(res.token_ids, ref)) if a != b)
         )
@@ -65,7 +65,7 @@ def test_greedy_equals_hf_when_drafts_mostly_miss(chaotic_model):
     # a window longer than the text makes the contextual penalty HF's repetition penalty
     params = SamplingParams(max_tokens=n, ignore_eos=True, penalty=1.5, penalty_window=10_000)
     for drafters in DRAFTS[1:]:
-        res = Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params)
+        res = Engine(lm, EngineConfig(drafters=drafters, adaptive_budget=False)).generate(prompt, params)
         assert res.token_ids == ref, drafters
         assert res.stats["mean_accepted"] < 1.6 and drafted(res) > 0, res.stats
 
@@ -81,7 +81,7 @@ def test_sampled_with_drafting_equals_sampled_without(tiny_models, name, tempera
         )
         ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, params)
         for drafters in DRAFTS[1:]:
-            res = Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params)
+            res = Engine(lm, EngineConfig(drafters=drafters, adaptive_budget=False)).generate(prompt, params)
             assert res.token_ids == ref.token_ids, (drafters, extra)
         assert drafted(res) > 0
 
@@ -115,7 +115,7 @@ def test_committed_kv_equals_ar_after_every_step(tiny_models):
     ar_out = ar.generate(prompt, params).token_ids
     ref_k, ref_v = ar.runner.cache.k.clone(), ar.runner.cache.v.clone()
 
-    spec = Engine(lm, EngineConfig())
+    spec = Engine(lm, EngineConfig(adaptive_budget=False))
     checked = []
 
     def check(_tokens):
@@ -167,11 +167,11 @@ def test_eos_stops_unless_ignored(tiny_models):
 def test_recycling_hot_start_carries_over_and_changes_nothing(tiny_models):
     lm = load(tiny_models, "llama_gqa")
     params = SamplingParams(max_tokens=200, ignore_eos=True)
-    warm = Engine(lm, EngineConfig(drafters=("recycling",)))
+    warm = Engine(lm, EngineConfig(drafters=("recycling",), adaptive_budget=False))
     warm.generate(lm.tokenizer.encode(REPETITIVE), params)
     prompt2 = lm.tokenizer.encode("the mat sat on the cat")
-    cold = Engine(lm, EngineConfig(drafters=("recycling",))).generate(prompt2, params)
-    restored = Engine(lm, EngineConfig(drafters=("recycling",)))
+    cold = Engine(lm, EngineConfig(drafters=("recycling",), adaptive_budget=False)).generate(prompt2, params)
+    restored = Engine(lm, EngineConfig(drafters=("recycling",), adaptive_budget=False))
     restored.recycling.load_state_dict(warm.recycling.state_dict())
     again = warm.generate(prompt2, params)
     assert again.token_ids == cold.token_ids

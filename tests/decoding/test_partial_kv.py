@@ -67,7 +67,7 @@ def test_static_partial_never_rebuilds():
 def test_rebuild_uses_the_last_committed_query(load_fixture):
     lm = load_fixture("llama_gqa")
     heads = DraftHeads(64, 3).double()
-    engine = Engine(lm, EngineConfig(drafters=("heads", "ngram"), kv_mode="dynamic", kv_budget=20, kv_sinks=4), heads=heads)
+    engine = Engine(lm, EngineConfig(drafters=("heads", "ngram"), kv_mode="dynamic", kv_budget=20, kv_sinks=4, adaptive_budget=False), heads=heads)
     seen = []
     original = engine.self_draft.kv._rebuild
 

@@ -53,7 +53,7 @@ def test_lossless_in_every_kv_mode(load_fixture, trained):
     for mode in ("full", "partial", "dynamic"):
         for drafters in (("heads",), None):
             # a budget below the prompt length puts the partial cache to work from the first step
-            cfg = EngineConfig(drafters=drafters, kv_mode=mode, kv_budget=24, kv_sinks=4)
+            cfg = EngineConfig(drafters=drafters, kv_mode=mode, kv_budget=24, kv_sinks=4, adaptive_budget=False)
             res = Engine(lm, cfg, heads=heads).generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True))
             assert res.token_ids == greedy_ref, (mode, drafters)
             assert res.stats["tokens_by_drafter"]["heads"] > 0
@@ -67,7 +67,7 @@ def test_full_cache_draft_predicts_the_next_greedy_token(load_fixture):
     always accepted under greedy decoding, so untrained heads give at least 2 tokens per step."""
     lm = load_fixture("llama_mha")
     prompt = lm.tokenizer.encode("a b c d e f")
-    engine = Engine(lm, EngineConfig(drafters=("heads",), kv_mode="full"), heads=heads_for(lm, False))
+    engine = Engine(lm, EngineConfig(drafters=("heads",), kv_mode="full", adaptive_budget=False), heads=heads_for(lm, False))
     per_step = []
     engine.generate(prompt, SamplingParams(max_tokens=101, ignore_eos=True), on_step=lambda t: per_step.append(len(t)))
     assert min(per_step[:-1]) >= 2  # the last step may be cut by max_tokens
