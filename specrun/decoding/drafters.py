@@ -13,7 +13,8 @@ from specrun.decoding.ngram import NGramPool
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.trie import Draft, DraftContext
 
-DRAFTER_NAMES = ("heads", "ngram", "recycling")  # merge priority: earlier drafters fill the budget first
+DRAFTER_NAMES = ("heads", "ngram", "recycling")  # drafting order: the self-drafter's guess keys the n-gram pool
+MERGE_PRIORITY = ("ngram", "heads", "recycling")  # trie budget order: n-grams are exact repeats, so they go first
 
 
 class Drafter(Protocol):

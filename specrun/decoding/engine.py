@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specrun.decoding.budget import BudgetTuner, calibrate
-from specrun.decoding.drafters import DRAFTER_NAMES, Drafter, NGramDrafter, RecyclingDrafter
+from specrun.decoding.drafters import DRAFTER_NAMES, MERGE_PRIORITY, Drafter, NGramDrafter, RecyclingDrafter
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.penalty import PenaltyWindow
@@ -61,7 +61,7 @@ class EngineConfig:
             return tuple(n for n in DRAFTER_NAMES if have_heads or n != "heads")
         if "heads" in self.drafters and not have_heads:
             raise ValueError("drafter 'heads' needs trained draft heads (--heads PATH, see specrun train-heads)")
-        return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed merge priority
+        return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed drafting order
 
 
 @dataclass
@@ -103,6 +103,7 @@ class Engine:
             else:
                 self.drafters.append(RecyclingDrafter(self.recycling))
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
+        self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self.tuner: BudgetTuner | None = None  # calibrated on the first generation that drafts
 
     # -- the recipe ---------------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ class Engine:
         while not done:
             ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
             with stats.time("draft"):
-                drafts = [d for i, drafter in enumerate(self.drafters) for d in drafter.propose(ctx, i)]
+                proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)]
+                drafts = [d for i in self._merge_order for d in proposals[i]]
             with stats.time("trie"):
                 budget = self.tuner.choose() if self.tuner else self.config.trie_budget
                 trie = build_trie(ctx.root, drafts, budget, self.lm.device)
