@@ -167,7 +167,8 @@ def status(job_dir, as_json):
 
 @click.command()
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "text"]), default="jsonl", show_default=True,
+              help="jsonl: one JSON object per prompt; parquet: one file (-o); text: the texts, for reading.")
 @click.option("-o", "--output", default=None, help="Output file (default for jsonl: stdout).")
 def export(job_dir, fmt, output):
     """Write the finished rows (id, text, token_ids, finish_reason, stats...) in input order.
@@ -176,6 +177,7 @@ def export(job_dir, fmt, output):
     Examples:
       specrun export specrun-jobs/prompts > out.jsonl
       specrun export specrun-jobs/prompts --format parquet -o out.parquet
+      specrun export specrun-jobs/prompts --format text | less
     """
     from specrun.jobs.export import export as do_export
     from specrun.jobs.jobdir import JobDir, JobError

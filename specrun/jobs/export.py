@@ -1,4 +1,4 @@
-"""`specrun export`: the finished rows of a job, in input order, as JSON lines or one Parquet file.
+"""`specrun export`: the finished rows of a job, in input order, as JSON lines, one Parquet file, or plain text.
 
 Only prompts with a done marker are exported; the caller is told how many are missing.
 """
@@ -30,9 +30,12 @@ def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
         if out in (None, "-"):
             raise ValueError("--format parquet needs -o FILE")
         atomic_write_table(out, table)
-    elif fmt == "jsonl":
+    elif fmt in ("jsonl", "text"):
         lines = []
         for r in table.to_pylist():
+            if fmt == "text":  # for reading: a header line per prompt, then its generated text
+                lines.append(f"=== {r['id']} ({r['n_tokens']} tokens, {r['finish_reason']}) ===\n{r['text']}\n")
+                continue
             r["stats"] = json.loads(r["stats"])
             lines.append(json.dumps(r, ensure_ascii=False))
         data = "".join(line + "\n" for line in lines)
@@ -44,5 +47,5 @@ def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
 
             atomic_write_bytes(out, data.encode("utf-8"))
     else:
-        raise ValueError(f"unknown format {fmt!r} (jsonl or parquet)")
+        raise ValueError(f"unknown format {fmt!r} (jsonl, parquet or text)")
     return table.num_rows, missing

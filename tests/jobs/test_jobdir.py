@@ -122,6 +122,8 @@ def test_status_and_export_of_a_partly_done_job(infos, prompts, tmp_path):
     assert pq.read_table(tmp_path / "o.parquet").column("text").to_pylist() == ["xyz"]
     with pytest.raises(ValueError, match="-o"):
         export(job, "parquet", None)
+    assert export(job, "text", str(tmp_path / "o.txt")) == (1, 2)
+    assert (tmp_path / "o.txt").read_text() == "=== b (3 tokens, length) ===\nxyz\n\n"
 
 
 def test_plain_progress_lines_and_quiet(capsys):
