@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-EXPLORE_EVERY = 16  # every n-th step verifies the full budget, so wider tries keep being measured
+EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
 EMA = 0.1
 
 
@@ -30,9 +30,10 @@ class BudgetTuner:
 
     def choose(self) -> int:
         self.step += 1
-        if self.step % EXPLORE_EVERY == 0:
-            return self.widths[-1]
-        return max(self.widths, key=lambda w: self.accepted[w] / self.cost[w])
+        best = max(range(len(self.widths)), key=lambda i: self.accepted[self.widths[i]] / self.cost[self.widths[i]])
+        if self.step % EXPLORE_EVERY == 0:  # one step wider: cheap to try, and it measures the next width up
+            best = min(best + 1, len(self.widths) - 1)
+        return self.widths[best]
 
     def observe(self, used: int, path_nodes: list[int], seconds: float) -> None:
         """path_nodes: trie indices of the accepted path beyond the root (ascending)."""

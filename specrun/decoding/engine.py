@@ -128,11 +128,11 @@ class Engine:
             self.tuner = BudgetTuner(self.config.trie_budget, calibrate(self._dry_forward))
         while not done:
             ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
-            with stats.time("draft"):
-                proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)]
-                drafts = [d for i in self._merge_order for d in proposals[i]]
+            budget = self.tuner.choose() if self.tuner else self.config.trie_budget
+            with stats.time("draft"):  # a width of 1 verifies the root alone: drafting would be wasted
+                proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)] if budget > 1 else []
+                drafts = [d for i in self._merge_order for d in proposals[i]] if proposals else []
             with stats.time("trie"):
-                budget = self.tuner.choose() if self.tuner else self.config.trie_budget
                 trie = build_trie(ctx.root, drafts, budget, self.lm.device)
             t_fwd = time.perf_counter()
             with stats.time("forward"):
