@@ -37,6 +37,8 @@ DEFAULT_RUNS: tuple[RunSpec, ...] = (
     RunSpec("ngram_only", "specrun", (("drafters", ("ngram",)),)),
     RunSpec("recycling_only", "specrun", (("drafters", ("recycling",)),)),
     RunSpec("heads_partial", "specrun", (("drafters", ("heads",)), ("kv_mode", "partial")), needs_heads=True),
+    # fused drafting in place of the self-draft forward, beside the other drafters
+    RunSpec("fused_spec", "specrun", (("drafters", ("fused", "ngram", "recycling")),), needs_heads=True),
 )
 
 

@@ -46,7 +46,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, model,
     """Benchmark specrun against HF generate on one prompt: tok/s, ratios, acceptance, time per phase.
 
     Runs hf_ar, hf_prompt_lookup, specrun_ar, specrun_spec (the --draft drafters) and the ablations ngram_only,
-    recycling_only and heads_partial (needs --heads), each --repeat times, interleaved. Every run generates the same
+    recycling_only, heads_partial and fused_spec (these two need --heads), each --repeat times, interleaved. Every run generates the same
     number of tokens (EOS is ignored), and all specrun runs must produce identical tokens.
 
     \b

@@ -45,7 +45,7 @@ sampling_options = _stack(
 
 engine_options = _stack(
     click.option("--draft", default="auto", show_default=True,
-                 help=f"Drafters: 'auto' (every one available: heads only with --heads), 'none' for plain "
+                 help=f"Drafters: 'auto' (ngram and recycling, plus heads with --heads), 'none' for plain "
                       f"autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
     click.option("--heads", "heads_path", type=click.Path(exists=True, file_okay=False), default=None,
                  help="Trained draft heads directory (specrun train-heads) for TokenSwift self-drafting."),

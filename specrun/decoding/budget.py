@@ -1,7 +1,7 @@
-"""Adaptive trie size: verify the width w that maximises expected accepted tokens per second of forward.
+"""Adaptive trie size: verify the width w that maximises expected accepted tokens per second of decoding.
 
-Forward cost per width is calibrated at start and refined online; since trie nodes are kept in priority order, one
-step's accepted path tells exactly how many tokens every smaller width would have accepted.
+Cost per width starts from a calibrated forward and is refined online with whole steps (drafting included); since trie
+nodes are kept in priority order, one step's accepted path tells exactly how many tokens every smaller width accepts.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def candidate_widths(max_budget: int) -> list[int]:
 class BudgetTuner:
     def __init__(self, max_budget: int, forward_cost: Callable[[int], float]):
         self.widths = candidate_widths(max_budget)
-        self.cost = {w: forward_cost(w) for w in self.widths}  # seconds per verify forward of w nodes
+        self.cost = {w: forward_cost(w) for w in self.widths}  # seconds per step of w nodes (forward-only at first)
         self.accepted = {w: float(min(w, 4)) for w in self.widths}  # optimistic start: explore before settling
         self.step = 0
 

@@ -5,6 +5,7 @@ Every drafter only proposes; verification decides, so no drafter can change the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -13,8 +14,19 @@ from specrun.decoding.ngram import NGramPool
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.trie import Draft, DraftContext
 
-DRAFTER_NAMES = ("heads", "ngram", "recycling")  # drafting order: the self-drafter's guess keys the n-gram pool
-MERGE_PRIORITY = ("ngram", "heads", "recycling")  # trie budget order: n-grams are exact repeats, so they go first
+DRAFTER_NAMES = ("heads", "fused", "ngram", "recycling")  # drafting order: a head's guess keys the n-gram pool
+MERGE_PRIORITY = ("ngram", "heads", "fused", "recycling")  # trie budget order: n-grams are exact repeats, go first
+NEEDS_HEADS = ("heads", "fused")
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verify forward as drafters learn from it."""
+
+    tokens: torch.Tensor  # [T] long, the trie's tokens
+    logits: torch.Tensor  # [T, V]
+    hidden: torch.Tensor  # [T, H] post-final-norm hidden states
+    last: int  # trie node whose chosen next token is the new root (the last committed token)
 
 
 class Drafter(Protocol):
@@ -24,7 +36,7 @@ class Drafter(Protocol):
 
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]: ...
 
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None: ...  # tokens: [T], logits: [T, V]
+    def observe(self, v: Verified) -> None: ...
 
     def commit(self, tokens: list[int]) -> None: ...
 
@@ -32,7 +44,7 @@ class Drafter(Protocol):
 class NGramDrafter:
     """TokenSwift token reutilization: the most frequent 3-token continuations, as chains.
 
-    Keyed by the self-drafter's guess of the next token when there is one (chains root -> guess -> ...), else by the root.
+    Keyed by a heads drafter's guess of the next token when there is one (chains root -> guess -> ...), else by the root.
     """
 
     name = "ngram"
@@ -54,7 +66,7 @@ class NGramDrafter:
             for c in self.pool.query(head[-1], self.topk)
         ]
 
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe(self, v: Verified) -> None:
         pass
 
     def commit(self, tokens: list[int]) -> None:
@@ -76,9 +88,9 @@ class RecyclingDrafter:
         tokens, parents = self.matrix.draft(ctx.root)
         return [Draft(tokens.tolist(), parents.tolist(), source)]
 
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def observe(self, v: Verified) -> None:
         # every verified node's top-k next tokens become its token's row (Token Recycling)
-        self.matrix.update(tokens, torch.topk(logits, self.matrix.k, dim=-1).indices)
+        self.matrix.update(v.tokens, torch.topk(v.logits, self.matrix.k, dim=-1).indices)
 
     def commit(self, tokens: list[int]) -> None:
         pass

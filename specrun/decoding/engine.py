@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specrun.decoding.budget import BudgetTuner, calibrate
-from specrun.decoding.drafters import DRAFTER_NAMES, MERGE_PRIORITY, Drafter, NGramDrafter, RecyclingDrafter
+from specrun.decoding.drafters import (
+    DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified,
+)
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.penalty import PenaltyWindow
@@ -20,18 +22,19 @@ from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
 from specrun.decoding.stats import GenStats
-from specrun.decoding.self_draft import SelfDrafter, TreeTemplate
+from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.trie import DraftContext, Trie, build_trie, walk
 
 if TYPE_CHECKING:
     from specrun.decoding.models import LoadedModel
 
 RECYCLING_K = 8
+AUTO_DRAFTERS = ("heads", "ngram", "recycling")  # --draft auto; heads only when heads are given
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    drafters: tuple[str, ...] | None = None  # None = every drafter available (heads need heads_path); () = plain AR
+    drafters: tuple[str, ...] | None = None  # None = auto (AUTO_DRAFTERS that can run); () = plain AR
     trie_budget: int = 64  # most nodes per verify; with adaptive_budget the engine picks the best width up to it
     adaptive_budget: bool = True
     ngram_topk: int = 20
@@ -58,9 +61,10 @@ class EngineConfig:
 
     def active_drafters(self, have_heads: bool) -> tuple[str, ...]:
         if self.drafters is None:
-            return tuple(n for n in DRAFTER_NAMES if have_heads or n != "heads")
-        if "heads" in self.drafters and not have_heads:
-            raise ValueError("drafter 'heads' needs trained draft heads (--heads PATH, see specrun train-heads)")
+            return tuple(n for n in AUTO_DRAFTERS if have_heads or n not in NEEDS_HEADS)
+        for name in self.drafters:
+            if name in NEEDS_HEADS and not have_heads:
+                raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
         return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed drafting order
 
 
@@ -98,6 +102,8 @@ class Engine:
                 kv = PartialKV(config.kv_mode, config.kv_budget, config.kv_sinks)
                 self.self_draft = SelfDrafter(self.runner, heads, config.tree, kv)
                 self.drafters.append(self.self_draft)
+            elif name == "fused":
+                self.drafters.append(FusedDrafter(heads, self.runner.lm_head, config.tree))
             elif name == "ngram":
                 self.drafters.append(NGramDrafter(config.ngram_topk))
             else:
@@ -127,6 +133,7 @@ class Engine:
         if self.drafters and self.config.adaptive_budget and self.tuner is None:
             self.tuner = BudgetTuner(self.config.trie_budget, calibrate(self._dry_forward))
         while not done:
+            t_step = time.perf_counter()
             ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
             budget = self.tuner.choose() if self.tuner else self.config.trie_budget
             with stats.time("draft"):  # a width of 1 verifies the root alone: drafting would be wasted
@@ -134,21 +141,18 @@ class Engine:
                 drafts = [d for i in self._merge_order for d in proposals[i]] if proposals else []
             with stats.time("trie"):
                 trie = build_trie(ctx.root, drafts, budget, self.lm.device)
-            t_fwd = time.perf_counter()
             with stats.time("forward"):
-                logits = self._verify(st, trie)
+                hidden, logits = self._verify(st, trie)
             with stats.time("walk"):
                 choice = self._choose(st, trie, logits, params, window)
                 path = walk(trie, choice)
                 emitted = self._stop_rules(st, choice[path].tolist(), params)
-                if self.tuner:  # the choice's .tolist() has synchronised: this is the forward's real cost
-                    self.tuner.observe(budget, path[1:].tolist(), time.perf_counter() - t_fwd)
             with stats.time("commit"):
                 self._commit(st, path, emitted, window)
-                if self.self_draft is not None:
-                    self.self_draft.note_committed(int(path[len(emitted) - 1]))
             with stats.time("update"):
-                self._update_drafters(trie, logits, emitted)
+                self._update_drafters(Verified(trie.tokens, logits, hidden, int(path[len(emitted) - 1])), emitted)
+            if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
+                self.tuner.observe(budget, path[1:].tolist(), time.perf_counter() - t_step)
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
             stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources)
             done = self._finished(st, params)
@@ -188,11 +192,11 @@ class Engine:
         mask = torch.ones((width, width), dtype=torch.bool, device=dev).tril_()
         self.runner.logits(self.runner.forward(tokens, positions, mask))
 
-    def _verify(self, st: _State, trie: Trie) -> torch.Tensor:
-        """One forward over the trie: root at position n-1, each node at n-1+depth. -> logits [T, V]"""
+    def _verify(self, st: _State, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
         positions = trie.depths + (st.n - 1)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
-        return self.runner.logits(hidden)
+        return hidden, self.runner.logits(hidden)
 
     def _choose(self, st, trie: Trie, logits, params: SamplingParams, window: PenaltyWindow | None) -> torch.Tensor:
         """The target's token after every node, exactly as AR would pick it there. -> [T] long"""
@@ -223,9 +227,9 @@ class Engine:
         st.n += k
         st.out.extend(emitted)
 
-    def _update_drafters(self, trie: Trie, logits: torch.Tensor, emitted: list[int]) -> None:
+    def _update_drafters(self, verified: Verified, emitted: list[int]) -> None:
         for d in self.drafters:
-            d.observe(trie.tokens, logits)
+            d.observe(verified)
             d.commit(emitted)
 
     def _finished(self, st: _State, params: SamplingParams) -> str | None:

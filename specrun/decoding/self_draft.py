@@ -1,4 +1,4 @@
-"""TokenSwift self-drafting: one forward of the root against the partial KV cache, heads give l_0..l_gamma.
+"""Drafting with the target's own hidden state and trained heads: TokenSwift self-drafting, and fused drafting.
 
 Candidates follow a static tree spec such as (1, 3, 3, 3): level j takes the top-k_j tokens of l_{j-1}, Cartesian.
 """
@@ -9,6 +9,7 @@ import itertools
 
 import torch
 
+from specrun.decoding.drafters import Verified
 from specrun.decoding.heads import DraftHeads
 from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.runner import ModelRunner
@@ -57,19 +58,15 @@ class SelfDrafter:
         self._one = torch.ones((1, 1), dtype=torch.bool, device=runner.lm.device)
         self._q_node = -1  # which token of runner.queries is the last committed one
 
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        pass
+    def observe(self, v: Verified) -> None:
+        self._q_node = v.last  # the last committed token's query row in the verify forward's captured queries
 
     def commit(self, tokens: list[int]) -> None:
         pass
 
     def start(self, seq: list[int]) -> None:
         self.kv.reset()
-        self._q_node = -1  # prefill's last token; see note_committed
-
-    def note_committed(self, node: int) -> None:
-        """The last committed token is query row `node` of the last capturing forward (verify or prefill)."""
-        self._q_node = node
+        self._q_node = -1  # prefill's last token
 
     @property
     def needs_queries(self) -> bool:
@@ -95,3 +92,41 @@ class SelfDrafter:
     def _last_query(self) -> torch.Tensor:
         """# -> [Lyr, Hq, D] query of the last committed token, per layer"""
         return torch.stack([q[:, self._q_node] for q in self.runner.queries])
+
+
+class FusedDrafter:
+    """The heads on the verify forward's hidden state of the node before the root: no draft forward at all.
+
+    That node's l_0 chose the root exactly, so its heads l_1..l_gamma guess the tokens after the root; the tree
+    spec's levels 2.. size those guesses (the self-drafter's l_0 level has no counterpart here).
+    """
+
+    name = "fused"
+
+    def __init__(self, heads: DraftHeads, lm_head: torch.nn.Module, tree: tuple[int, ...]):
+        if len(tree) < 2:
+            raise ValueError(f"tree {tree} has no level for the heads: fused drafting needs two or more levels")
+        if len(tree) > heads.gamma + 1:
+            raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
+        self.heads, self.lm_head = heads, lm_head
+        self.template = TreeTemplate(tree[1:])
+        self._h: torch.Tensor | None = None  # [H] hidden state of the node that chose the current root
+
+    def start(self, seq: list[int]) -> None:
+        self._h = None  # the first step after a prefill drafts nothing: prefill keeps no hidden state
+
+    def observe(self, v: Verified) -> None:
+        self._h = v.hidden[v.last]
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        if self._h is None:
+            return []
+        with torch.inference_mode():
+            logits = self.heads.logits(self._h[None], self.lm_head)[:, 0]  # [gamma, V]: l_1..l_gamma
+        tokens = self.template.fill(ctx.root, logits.float())
+        if ctx.guess is None:
+            ctx.guess = tokens[1]
+        return [Draft(tokens, self.template.parents, source)]

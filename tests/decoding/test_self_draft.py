@@ -1,4 +1,4 @@
-"""TokenSwift self-drafting: tree template, lossless in every KV mode with untrained and trained heads."""
+"""Heads drafting: tree template; self-drafting lossless in every KV mode; fused drafting on the verify hidden state."""
 
 import pytest
 import torch
@@ -6,7 +6,8 @@ import torch
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.heads import DraftHeads
 from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.self_draft import TreeTemplate
+from specrun.decoding.self_draft import FusedDrafter, TreeTemplate
+from specrun.decoding.trie import DraftContext
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
@@ -41,15 +42,21 @@ def hf_greedy(lm, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("trained", [False, True])
-def test_lossless_in_every_kv_mode(load_fixture, trained):
+SAMPLED = SamplingParams(max_tokens=200, temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=40, seed=2,
+                         ignore_eos=True)
+
+
+def references(load_fixture, trained: bool):
+    """-> lm, prompt, heads, HF greedy 300 tokens, SAMPLED, our AR's SAMPLED tokens"""
     lm = load_fixture("qwen2")
     prompt = lm.tokenizer.encode(PROMPT)
-    heads = heads_for(lm, trained)
-    greedy_ref = hf_greedy(lm, prompt, 300)
-    sampled = SamplingParams(max_tokens=200, temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=40, seed=2,
-                             ignore_eos=True)
-    sampled_ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, sampled).token_ids
+    sampled_ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, SAMPLED).token_ids
+    return lm, prompt, heads_for(lm, trained), hf_greedy(lm, prompt, 300), SAMPLED, sampled_ref
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_lossless_in_every_kv_mode(load_fixture, trained):
+    lm, prompt, heads, greedy_ref, sampled, sampled_ref = references(load_fixture, trained)
     for mode in ("full", "partial", "dynamic"):
         for drafters in (("heads",), None):
             # a budget below the prompt length puts the partial cache to work from the first step
@@ -75,6 +82,45 @@ def test_full_cache_draft_predicts_the_next_greedy_token(load_fixture):
 
 def test_heads_drafter_needs_heads(load_fixture):
     lm = load_fixture("llama_mha")
-    with pytest.raises(ValueError, match="heads"):
-        Engine(lm, EngineConfig(drafters=("heads",)))
+    for name in ("heads", "fused"):
+        with pytest.raises(ValueError, match=name):
+            Engine(lm, EngineConfig(drafters=(name,)))
     assert [d.name for d in Engine(lm, EngineConfig()).drafters] == ["ngram", "recycling"]
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_fused_drafting_is_lossless(load_fixture, trained):
+    lm, prompt, heads, greedy_ref, sampled, sampled_ref = references(load_fixture, trained)
+    for drafters in (("fused",), ("fused", "ngram", "recycling")):
+        cfg = EngineConfig(drafters=drafters, adaptive_budget=False)
+        res = Engine(lm, cfg, heads=heads).generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True))
+        assert res.token_ids == greedy_ref, drafters
+        if not trained:  # zero heads guess l_0 of the node before the root: right on this repetitive text
+            assert res.stats["tokens_by_drafter"]["fused"] > 0
+        assert Engine(lm, cfg, heads=heads).generate(prompt, sampled).token_ids == sampled_ref, drafters
+
+
+def test_fused_draft_reads_the_hidden_state_of_the_token_before_the_root(load_fixture):
+    """After any step, the fused proposal is the heads' top-k on the model's hidden state at the second-to-last
+    committed token, which is what a plain forward over the whole sequence gives there."""
+    lm = load_fixture("qwen2")
+    heads = heads_for(lm, True)
+    prompt = lm.tokenizer.encode(PROMPT)
+    engine = Engine(lm, EngineConfig(drafters=("fused", "ngram"), adaptive_budget=False), heads=heads)
+    steps = []
+    # stop right after a step that accepted a draft, so the node before the root is not the trie's root
+    res = engine.generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True),
+                          on_step=lambda t: steps.append(len(t)) or (len(t) > 1 and len(steps) > 2))
+    assert res.finish_reason == "stopped" and steps[-1] > 1
+    seq = prompt + res.token_ids
+    with torch.inference_mode():
+        h = lm.model.get_decoder()(input_ids=torch.tensor([seq])).last_hidden_state[0, -2]
+        want = torch.topk(heads.logits(h[None], lm.model.get_output_embeddings())[:, 0], 3, dim=-1).indices
+    fused = next(d for d in engine.drafters if isinstance(d, FusedDrafter))
+    ctx = DraftContext(seq[-1], len(seq) - 1)
+    (draft,) = fused.propose(ctx, 0)
+    assert draft.tokens[:4] == [seq[-1], *want[0].tolist()]  # level 1: top-3 of l_1
+    assert draft.tokens[4:7] == want[1, :3].tolist()  # first children: top-3 of l_2
+    assert ctx.guess == want[0, 0].item()
+    with pytest.raises(ValueError, match="two or more levels"):
+        FusedDrafter(heads, lm.model.get_output_embeddings(), (3,))
