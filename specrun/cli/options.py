@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import click
 
+from specrun.decoding.attention import BACKENDS
 from specrun.decoding.drafters import DRAFTER_NAMES
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
@@ -60,6 +61,9 @@ engine_options = _stack(
                  show_default=True, help="Cache the self-draft forward reads."),
     click.option("--kv-budget", type=int, default=4096, show_default=True, help="Partial KV cache size |B|."),
     click.option("--kv-sinks", type=int, default=16, show_default=True, help="Sink tokens |S| kept in the partial cache."),
+    click.option("--attention", type=click.Choice(list(BACKENDS)), default="sdpa", show_default=True,
+                 help="Attention backend: sdpa (one masked call, the reference) or split (unmasked prefix + masked "
+                      "trie, merged by log-sum-exp)."),
 )
 
 
@@ -96,7 +100,7 @@ def engine_config_from(kw: dict) -> EngineConfig:
             drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
             adaptive_budget=not kw["fixed_budget"],
             heads_path=kw["heads_path"], tree=parse_tree(kw["tree"]), kv_mode=kw["kv_mode"],
-            kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"],
+            kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"],
         )
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="drafting options") from e

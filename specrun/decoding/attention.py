@@ -1,6 +1,8 @@
-"""Attention backends behind one switch, registered as a transformers attention function ("specrun").
+"""Attention backends behind one switch (ForwardContext.backend), registered as a transformers attention function.
 
-Each call writes the layer's new K/V into our cache and attends over [committed + new] with an explicit bool mask.
+Each call writes the layer's new K/V into our cache and attends over [committed + new]: `sdpa` with one bool mask over
+all keys (the reference); `split` attends the committed prefix without a mask and the new tokens under their own mask,
+then merges the two by log-sum-exp (the scheme a flashinfer backend uses to avoid masked kernels over long caches).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from specrun.decoding.kv_cache import KVCache
 
 ATTN_IMPL = "specrun"
-BACKENDS = ("sdpa",)
+BACKENDS = ("sdpa", "split")
 
 
 @dataclass
@@ -27,10 +29,11 @@ class ForwardContext:
     mask: torch.Tensor | None  # [T, start+T] bool, True = attend; None with `select`
     select: torch.Tensor | None = None  # [Lyr, Hkv, B] slots each KV head sees (partial cache), then its own token
     queries: list | None = None  # when a list, each layer appends its q [Hq, T, D] (for KV importance)
+    backend: str = "sdpa"  # one of BACKENDS; the prefix [0, start) is always fully visible to the new tokens
 
 
-def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
-    """Reference backend on torch SDPA; GQA by folding query groups into the query axis (no K/V copies).
+def attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
+    """Write the new K/V, attend with ctx.backend; GQA by folding query groups into the query axis (no K/V copies).
 
     # q: [1, Hq, T, D], k/v: [1, Hkv, T, D] (post-RoPE) -> [1, T, Hq, D]
     """
@@ -43,20 +46,68 @@ def sdpa_attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Te
     qg = q.reshape(1, Hkv, G * T, D)  # query head h = kv_head * G + g
     if ctx.select is not None:  # one token against its partial cache: gather the selected slots per KV head
         keys, values = ctx.cache.gather(layer, ctx.select[layer], ctx.start, T)  # [Hkv, B+T, D]
-        mask = None
+        out = F.scaled_dot_product_attention(qg, keys[None], values[None], scale=scaling)
+    elif ctx.backend == "split":
+        out = _split_attention(ctx, layer, qg, G, scaling)
     else:
         keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]
         mask = (ctx.mask.repeat(G, 1) if G > 1 else ctx.mask)[None, None]  # [1, 1, G*T, S]
-    # 4-D operands: torch's CPU SDPA takes a far slower path for 3-D inputs with a mask
-    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=scaling)
+        # 4-D operands: torch's CPU SDPA takes a far slower path for 3-D inputs with a mask
+        out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(Hq, T, D).transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
+
+
+def _split_attention(ctx: ForwardContext, layer: int, qg: torch.Tensor, G: int, scaling) -> torch.Tensor:
+    """Prefix without a mask + new tokens under their [T, T] mask, merged by log-sum-exp.
+
+    # qg: [1, Hkv, G*T, D] -> [1, Hkv, G*T, D]
+    """
+    T = qg.shape[2] // G
+    start = ctx.start
+    keys, values = ctx.cache.keys_values(layer, start + T)  # [Hkv, S, D]
+    if T == 1:  # a single new token sees every slot: one unmasked call, nothing to merge
+        return F.scaled_dot_product_attention(qg, keys[None], values[None], scale=scaling)
+    block = ctx.mask[:, start : start + T]
+    block = block.repeat(G, 1) if G > 1 else block  # [G*T, T]
+    o_new, lse_new = attend_lse(qg[0], keys[:, start:], values[:, start:], scaling, block)
+    if start == 0:
+        return o_new[None].to(qg.dtype)
+    o_pre, lse_pre = attend_lse(qg[0], keys[:, :start], values[:, :start], scaling)
+    return merge_states(o_pre, lse_pre, o_new, lse_new)[0][None].to(qg.dtype)
+
+
+def attend_lse(q, k, v, scale, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and its log-sum-exp, in float32 at least (every query row must see one key or more).
+
+    # q: [Hkv, N, D], k/v: [Hkv, S, D], mask: [N, S] bool or None -> o: [Hkv, N, D], lse: [Hkv, N]
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if mask is None and q.device.type == "cpu" and q.dtype == k.dtype:
+        # torch's CPU flash kernel returns the log-sum-exp: no [N, S] score matrix for long prefixes
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], scale=scale)[:2]
+        return o[0].to(acc), lse[0].to(acc)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [Hkv, N, S]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)), lse
+
+
+def merge_states(o1, lse1, o2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets -> attention over their union (flashinfer's merge_state).
+
+    # o1, o2: [..., N, D], lse1, lse2: [..., N] -> o: [..., N, D], lse: [..., N]
+    """
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None], lse
 
 
 def _specrun_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctx: ForwardContext | None = kwargs.pop("specrun_ctx", None)
     if ctx is None:  # a plain transformers call (e.g. HF generate on the same model object)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return sdpa_attention(ctx, module.layer_idx, query, key, value, scaling), None
+    return attention(ctx, module.layer_idx, query, key, value, scaling), None
 
 
 AttentionInterface.register(ATTN_IMPL, _specrun_attention)

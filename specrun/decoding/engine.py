@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specrun.decoding.attention import BACKENDS
 from specrun.decoding.budget import BudgetTuner, calibrate
 from specrun.decoding.drafters import (
     DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified,
@@ -44,6 +45,7 @@ class EngineConfig:
     kv_mode: str = "dynamic"  # cache the self-draft forward reads: full | partial | dynamic
     kv_budget: int = 4096
     kv_sinks: int = 16
+    attention: str = "sdpa"  # attention backend (decoding/attention.py BACKENDS); fixed per job like the model
 
     def __post_init__(self):
         names = self.drafters if self.drafters is not None else ()
@@ -57,6 +59,8 @@ class EngineConfig:
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
+        if self.attention not in BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention!r}; choose from {', '.join(BACKENDS)}")
         TreeTemplate(self.tree)  # validates the tree spec
 
     def active_drafters(self, have_heads: bool) -> tuple[str, ...]:
@@ -92,7 +96,7 @@ class Engine:
         if heads is None and config.heads_path:
             heads = load_heads(config.heads_path, lm)
         names = config.active_drafters(heads is not None)
-        self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk))
+        self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.self_draft: SelfDrafter | None = None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrun.decoding.attention import ATTN_IMPL, ForwardContext
+from specrun.decoding.attention import ATTN_IMPL, BACKENDS, ForwardContext
 from specrun.decoding.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, max_rows: int):
+    def __init__(self, lm: LoadedModel, max_rows: int, backend: str = "sdpa"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(BACKENDS)}")
         self.lm = lm
+        self.backend = backend
         self.model = lm.model
         if self.model.config._attn_implementation != ATTN_IMPL:
             self.model.set_attn_implementation(ATTN_IMPL)
@@ -63,10 +66,10 @@ class ModelRunner:
         if select is None:
             block = self.mask_buf[:T, start : start + T]
             block.copy_(tree_mask)
-            ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T], queries=queries)
+            ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T], queries=queries, backend=self.backend)
             mask4d = ctx.mask[None, None]
         else:
-            ctx = ForwardContext(self.cache, start, None, select=select, queries=queries)
+            ctx = ForwardContext(self.cache, start, None, select=select, queries=queries, backend=self.backend)
             mask4d = self.mask_buf[:1, :1][None, None]  # a placeholder for transformers: `select` rules here
         try:
             out = self.decoder(

@@ -127,6 +127,5 @@ class FusedDrafter:
         with torch.inference_mode():
             logits = self.heads.logits(self._h[None], self.lm_head)[:, 0]  # [gamma, V]: l_1..l_gamma
         tokens = self.template.fill(ctx.root, logits.float())
-        if ctx.guess is None:
-            ctx.guess = tokens[1]
+        # no ctx.guess: l_1 is far less sure than the self-drafter's l_0, and a wrong guess would derail the n-grams
         return [Draft(tokens, self.template.parents, source)]
