@@ -107,7 +107,8 @@ class GenerationWorker:
 
 
 class _Checkpointer:
-    """on_step callback: appends a chunk every checkpoint_every tokens or checkpoint_seconds; writes live status."""
+    """on_step callback: appends a chunk every checkpoint_every tokens or checkpoint_seconds; writes live status after
+    each checkpoint and otherwise once per LIVE_EVERY_S."""
 
     def __init__(self, worker: GenerationWorker, prompt_id: str, resumed: int, max_tokens: int):
         self.w, self.id, self.max_tokens = worker, prompt_id, max_tokens
@@ -129,7 +130,9 @@ class _Checkpointer:
             self._write(self.buf)
             self.snapshot()
             self.last_ckpt = now
-        self._live(now)
+            self._live(now, force=True)  # a checkpoint is news: status shows it at once
+        else:
+            self._live(now)
         return self.w.stop.is_set()
 
     def _write(self, tokens: list[int]) -> None:

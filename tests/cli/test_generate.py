@@ -15,11 +15,11 @@ def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram", "ngram,recycling"])
-def test_json_output_equals_engine(tiny_models, draft):
+@pytest.mark.parametrize("draft, attention", [("none", "sdpa"), ("ngram", "sdpa"), ("ngram,recycling", "split")])
+def test_json_output_equals_engine(tiny_models, draft, attention):
     path = tiny_models["llama_gqa"]
-    res = run("generate", "--model", path, "--prompt", "abcabcabc", "--max-tokens", "60", "--json",
-              "--temperature", "0.8", "--min-p", "0.05", "--seed", "4", "--ignore-eos", "--draft", draft)
+    res = run("generate", "--model", path, "--prompt", "abcabcabc", "--max-tokens", "60", "--json", "--attention",
+              attention, "--temperature", "0.8", "--min-p", "0.05", "--seed", "4", "--ignore-eos", "--draft", draft)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     lm = load_model(path)
@@ -46,6 +46,8 @@ def test_streams_text_and_summary_on_demo(tmp_path, monkeypatch):
     [
         (["--top-p", "0"], "top_p"),
         (["--draft", "bogus"], "bogus"),
+        (["--draft", "fused"], "fused"),  # needs --heads
+        (["--attention", "flash"], "flash"),
         (["--temperature", "-1"], "temperature"),
         (["--model", "/no/such/model"], "/no/such/model"),
         (["--max-tokens", "0"], "max_tokens"),

@@ -91,7 +91,7 @@ def _wait_for(cond, timeout: float, what: str):
         value = cond()
         if value:
             return value
-        time.sleep(0.05)
+        time.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
 
 
