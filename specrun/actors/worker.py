@@ -125,14 +125,13 @@ class _Checkpointer:
         self.buf.extend(emitted)
         self.steps += 1
         now = time.monotonic()
-        if len(self.buf) >= self.w.spec.checkpoint_every or (
-                self.buf and now - self.last_ckpt >= self.w.spec.checkpoint_seconds):
+        checkpoint = len(self.buf) >= self.w.spec.checkpoint_every or (
+            bool(self.buf) and now - self.last_ckpt >= self.w.spec.checkpoint_seconds)
+        if checkpoint:
             self._write(self.buf)
             self.snapshot()
             self.last_ckpt = now
-            self._live(now, force=True)  # a checkpoint is news: status shows it at once
-        else:
-            self._live(now)
+        self._live(now, force=checkpoint)  # a checkpoint is news: status shows it at once
         return self.w.stop.is_set()
 
     def _write(self, tokens: list[int]) -> None:

@@ -20,6 +20,11 @@ ATTN_IMPL = "specrun"
 BACKENDS = ("sdpa", "split")
 
 
+def check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)}")
+
+
 @dataclass
 class ForwardContext:
     """What one model forward needs beyond the transformers call: where to write, what to see."""

@@ -47,7 +47,7 @@ class BudgetTuner:
 
 
 def calibrate(run_forward: Callable[[int], None], repeats: int = 3) -> Callable[[int], float]:
-    """Time run_forward(w) (best of `repeats`, after one warm-up) lazily, once per width."""
+    """-> cost(w): the best of `repeats` timed run_forward(w) calls, after one warm-up call."""
 
     def cost(w: int) -> float:
         run_forward(w)

@@ -17,6 +17,7 @@ from specrun.decoding.trie import Draft, DraftContext
 DRAFTER_NAMES = ("heads", "fused", "ngram", "recycling")  # drafting order: a head's guess keys the n-gram pool
 MERGE_PRIORITY = ("ngram", "heads", "fused", "recycling")  # trie budget order: n-grams are exact repeats, go first
 NEEDS_HEADS = ("heads", "fused")
+AUTO_DRAFTERS = ("heads", "ngram", "recycling")  # --draft auto; those in NEEDS_HEADS only when heads are given
 
 
 @dataclass(frozen=True)

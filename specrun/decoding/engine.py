@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from specrun.decoding.attention import BACKENDS
+from specrun.decoding.attention import check_backend
 from specrun.decoding.budget import BudgetTuner, calibrate
 from specrun.decoding.drafters import (
-    DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified,
+    AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified,
 )
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from specrun.decoding.models import LoadedModel
 
 RECYCLING_K = 8
-AUTO_DRAFTERS = ("heads", "ngram", "recycling")  # --draft auto; heads only when heads are given
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,7 @@ class EngineConfig:
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
-        if self.attention not in BACKENDS:
-            raise ValueError(f"unknown attention backend {self.attention!r}; choose from {', '.join(BACKENDS)}")
+        check_backend(self.attention)
         TreeTemplate(self.tree)  # validates the tree spec
 
     def active_drafters(self, have_heads: bool) -> tuple[str, ...]:
@@ -140,9 +138,11 @@ class Engine:
             t_step = time.perf_counter()
             ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
             budget = self.tuner.choose() if self.tuner else self.config.trie_budget
-            with stats.time("draft"):  # a width of 1 verifies the root alone: drafting would be wasted
-                proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)] if budget > 1 else []
-                drafts = [d for i in self._merge_order for d in proposals[i]] if proposals else []
+            drafts = []
+            with stats.time("draft"):
+                if budget > 1:  # a width of 1 verifies the root alone: drafting would be wasted
+                    proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)]
+                    drafts = [d for i in self._merge_order for d in proposals[i]]
             with stats.time("trie"):
                 trie = build_trie(ctx.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
@@ -151,12 +151,13 @@ class Engine:
                 choice = self._choose(st, trie, logits, params, window)
                 path = walk(trie, choice)
                 emitted = self._stop_rules(st, choice[path].tolist(), params)
+                nodes = path.tolist()
             with stats.time("commit"):
                 self._commit(st, path, emitted, window)
             with stats.time("update"):
-                self._update_drafters(Verified(trie.tokens, logits, hidden, int(path[len(emitted) - 1])), emitted)
+                self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, path[1:].tolist(), time.perf_counter() - t_step)
+                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step)
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
             stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources)
             done = self._finished(st, params)

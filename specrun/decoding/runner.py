@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrun.decoding.attention import ATTN_IMPL, BACKENDS, ForwardContext
+from specrun.decoding.attention import ATTN_IMPL, ForwardContext
 from specrun.decoding.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -17,9 +17,7 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, max_rows: int, backend: str = "sdpa"):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    def __init__(self, lm: LoadedModel, max_rows: int, backend: str = "sdpa"):  # backend: checked by EngineConfig
         self.lm = lm
         self.backend = backend
         self.model = lm.model

@@ -44,14 +44,18 @@ class TreeTemplate:
         return [root, *top[self.level, self.rank].tolist()]
 
 
+def _check_depth(tree: tuple[int, ...], heads: DraftHeads) -> None:
+    if len(tree) > heads.gamma + 1:
+        raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
+
+
 class SelfDrafter:
     """Drafts with the target model itself; keeps the partial cache in step with the committed cache."""
 
     name = "heads"
 
     def __init__(self, runner: ModelRunner, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
-        if len(tree) > heads.gamma + 1:
-            raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
+        _check_depth(tree, heads)
         self.runner, self.heads, self.kv = runner, heads, kv
         self.template = TreeTemplate(tree)
         self._logits: torch.Tensor | None = None  # [gamma+1, V]: l_0 and the heads' logits of the last draft
@@ -106,8 +110,7 @@ class FusedDrafter:
     def __init__(self, heads: DraftHeads, lm_head: torch.nn.Module, tree: tuple[int, ...]):
         if len(tree) < 2:
             raise ValueError(f"tree {tree} has no level for the heads: fused drafting needs two or more levels")
-        if len(tree) > heads.gamma + 1:
-            raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
+        _check_depth(tree, heads)
         self.heads, self.lm_head = heads, lm_head
         self.template = TreeTemplate(tree[1:])
         self._h: torch.Tensor | None = None  # [H] hidden state of the node that chose the current root
