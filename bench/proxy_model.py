@@ -182,7 +182,7 @@ def maybe_train_heads(model_dir: Path, train_files: list[Path], args, log) -> st
     except ImportError:
         log("specrun.train.heads is not available: draft heads not trained (run `specrun train-heads` later)")
         return "skipped (specrun.train.heads not available)"
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model
 
     lm = load_model(str(model_dir), dtype="float32", device="cpu")
     final = model_dir / "heads"
@@ -207,7 +207,7 @@ def maybe_train_heads(model_dir: Path, train_files: list[Path], args, log) -> st
 
 
 def build(args, log) -> Path:
-    from specrun.decoding.tiny import quiet_progress_bars
+    from specrun.models.tiny import quiet_progress_bars
 
     final = Path(args.out).expanduser() if args.out else default_out()
     if (final / "config.json").is_file() and not args.force:

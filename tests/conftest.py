@@ -32,7 +32,7 @@ def specrun_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Every TINY_SPECS model built offline once per session: name -> model directory (str)."""
-    from specrun.decoding.tiny import build_tiny_model
+    from specrun.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {name: str(build_tiny_model(root / name, **spec)) for name, spec in TINY_SPECS.items()}
@@ -41,7 +41,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def load_fixture(tiny_models):
     """Callable load_fixture(name, dtype="float64", device="cpu") -> a freshly loaded LoadedModel of a tiny model."""
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model
 
     def load(name: str, dtype: str = "float64", device: str = "cpu"):
         if name not in tiny_models:

@@ -1,4 +1,5 @@
-"""Ray plumbing: a quiet local `ray.init()` (or joining --address / RAY_ADDRESS) and GenerationWorker actors.
+"""Ray plumbing: a quiet local `ray.init()` (or joining --address / RAY_ADDRESS), GenerationWorker actors, and the
+cluster-resource checks that let the driver refuse at once, naming the missing resource, instead of waiting forever.
 
 The only module besides the driver that imports ray; one actor per GPU (num_gpus), or --actors N CPU actors.
 """
@@ -6,15 +7,38 @@ The only module besides the driver that imports ray; one actor per GPU (num_gpus
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import threading
 from pathlib import Path
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
+CPUS_PER_ACTOR = 1
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
-    """Connect to Ray; returns True when this call started it (the caller then shuts it down)."""
+def _probe(address: str, timeout_s: float) -> None:
+    """ray.init waits minutes (retrying) for a head that is not there: fail fast when nothing answers at host:port."""
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local", or no port: let Ray resolve it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address!r} within {timeout_s:g} s "
+                              f"({type(e).__name__}: {e}); check --address / RAY_ADDRESS and that the head "
+                              f"is up") from None
+
+
+def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s: float = 30.0) -> bool:
+    """Connect to Ray; returns True when this call started it (the caller then shuts it down). Raises ConnectionError
+    when nothing answers at --address within connect_timeout_s.
+
+    A local Ray's processes are started with SIGHUP ignored: closing the terminal hangs up its whole process group,
+    and the workers must live on to checkpoint while the driver stops (as Ray already does for Ctrl-C's SIGINT).
+    """
     import ray
 
     if ray.is_initialized():
@@ -22,21 +46,67 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="ERROR")
     if address:
+        _probe(address, connect_timeout_s)
         ray.init(address=address, **kwargs)
     else:
         path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+        main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
+        old = signal.signal(signal.SIGHUP, signal.SIG_IGN) if main else None
+        try:
+            ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+        finally:
+            if main:
+                signal.signal(signal.SIGHUP, old)
     return True
 
 
 def start_worker(spec: WorkerSpec, slot: int, gpus_per_actor: float):
-    """A GenerationWorker actor; two threads so request_stop can reach it while generate runs."""
+    """A GenerationWorker actor that loads nothing yet: ping() answers once it is placed, load() loads the model.
+    Two threads, so that ping and request_stop reach it while load or generate runs."""
     import ray
 
-    opts = {"max_concurrency": 2, "max_restarts": 0, "num_cpus": 1}
+    opts = {"max_concurrency": 2, "max_restarts": 0, "num_cpus": CPUS_PER_ACTOR}
     if gpus_per_actor > 0:
         opts["num_gpus"] = gpus_per_actor
-    return ray.remote(GenerationWorker).options(**opts).remote(spec, slot)
+    return ray.remote(GenerationWorker).options(**opts).remote(spec, slot, False)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def resource_shortfall(n: int, gpus_per_actor: float, actors_flag: int | None = None) -> str | None:
+    """Why `n` actors (each CPUS_PER_ACTOR CPU, plus gpus_per_actor GPUs when > 0) can never all be placed on this
+    Ray cluster as it is now, or None. Counts the cluster's total resources (held ones free up later)."""
+    import ray
+
+    total = ray.cluster_resources()
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    who = f"--actors {n}" if actors_flag == n else f"{n} worker actor(s)"
+    if gpus_per_actor > 0:
+        if gpus <= 0:
+            return (f"no GPU in the Ray cluster: --device cuda needs {_num(gpus_per_actor)} GPU per actor "
+                    f"(--gpus-per-actor), the cluster has 0; use --device cpu, or --address a cluster with GPUs")
+        if n * gpus_per_actor > gpus + 1e-9:
+            return (f"{who} with --gpus-per-actor {_num(gpus_per_actor)} need(s) {_num(n * gpus_per_actor)} GPUs, "
+                    f"the Ray cluster has {_num(gpus)}")
+        per_node = [nd.get("Resources", {}).get("GPU", 0.0) for nd in ray.nodes() if nd.get("Alive")]
+        if per_node and gpus_per_actor > max(per_node) + 1e-9:
+            return (f"--gpus-per-actor {_num(gpus_per_actor)}: no node of the Ray cluster has that many GPUs "
+                    f"(the largest has {_num(max(per_node))})")
+    if n * CPUS_PER_ACTOR > cpus + 1e-9:
+        return f"{who} need(s) {n * CPUS_PER_ACTOR} CPUs ({CPUS_PER_ACTOR} per actor), the Ray cluster has {_num(cpus)}"
+    return None
+
+
+def describe_resources(gpus_per_actor: float) -> str:
+    """'needs 1 CPU and 1 GPU; the Ray cluster has 2 CPU (0 free), 1 GPU (0 free)' for placement-timeout messages."""
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    need = f"{CPUS_PER_ACTOR} CPU" + (f" and {_num(gpus_per_actor)} GPU" if gpus_per_actor > 0 else "")
+    have = ", ".join(f"{_num(total.get(r, 0.0))} {r} ({_num(free.get(r, 0.0))} free)" for r in ("CPU", "GPU"))
+    return f"each needs {need}; the Ray cluster has {have}"
 
 
 def infra_errors() -> tuple[type[BaseException], ...]:

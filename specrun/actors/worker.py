@@ -1,11 +1,15 @@
 """GenerationWorker: loads the model and builds the Engine once, then generates prompts one at a time with checkpoints.
 
 Plain class (Ray wraps it in pool.py); writes progress chunks, matrix snapshots and live status to the shared job dir.
+Those writes are best-effort: a failed one (disk full, stale NFS handle) is logged, reported with the result, and
+retried at the next checkpoint; it never fails the prompt (the driver's output write is the one that must succeed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import socket
 import threading
@@ -19,6 +23,7 @@ from specrun.storage.records import Records
 from specrun.storage.state import load_matrix, save_matrix
 
 LIVE_EVERY_S = 1.0
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class WorkerSpec:
     checkpoint_seconds: float = 60.0
     hot_start: tuple[str, ...] = ()  # other job dirs whose matrix snapshots may warm a cold worker
     threads: int = 0  # torch CPU threads (0 = leave as is)
+    job_created_at: float | None = None  # the manifest's created_at: proves a worker sees the driver's job directory
 
 
 def engine_config(d: dict):
@@ -45,24 +51,29 @@ def engine_config(d: dict):
 
 
 class GenerationWorker:
-    def __init__(self, spec: WorkerSpec, slot: int):
-        import torch
+    """GenerationWorker(spec, slot) loads at once; with load=False (the pool) construction is instant, so that the
+    driver can tell "placed" (ping answers) from "model loaded" (load returns) and give each its own deadline."""
 
-        from specrun.decoding.engine import Engine
-        from specrun.decoding.models import load_model
-
-        if spec.threads > 0 and spec.device == "cpu":
-            torch.set_num_threads(spec.threads)
+    def __init__(self, spec: WorkerSpec, slot: int, load: bool = True):
         self.spec, self.slot = spec, slot
         self.root = Path(spec.job_dir)
         self.records = Records(self.root)
-        self.lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, trust_remote_code=spec.trust_remote_code)
-        if self.lm.fingerprint != spec.fingerprint:
-            raise ValueError(f"model at {spec.model!r} has fingerprint {self.lm.fingerprint}, the job was made with "
-                             f"{spec.fingerprint}: the model files changed")
-        self.engine = Engine(self.lm, engine_config(spec.engine))
-        self.hot_source = self._warm_start()
         self.stop = threading.Event()
+        self.lm = self.engine = self.hot_source = None
+        if load:
+            self.load()
+
+    def _check_job_dir(self) -> None:
+        if self.spec.job_created_at is None:
+            return
+        try:
+            created = json.loads((self.root / "job.json").read_text("utf-8")).get("created_at")
+        except (OSError, ValueError) as e:
+            created = f"unreadable ({type(e).__name__})"
+        if created != self.spec.job_created_at:
+            raise ValueError(f"the worker on host {socket.gethostname()} does not see the driver's job directory "
+                             f"{self.root} (job.json there: created_at {created!r}, the driver's: "
+                             f"{self.spec.job_created_at!r}); put the job on storage every node mounts at that path")
 
     def _warm_start(self) -> str | None:
         import torch
@@ -80,6 +91,31 @@ class GenerationWorker:
         return None
 
     # -- remote methods -------------------------------------------------------------------------------------------
+    def ping(self) -> dict:
+        """Answers as soon as the actor is placed and its process is up (load may still be running)."""
+        return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot}
+
+    def load(self) -> dict:
+        """Load the model and build the engine (once); returns info()."""
+        if self.engine is None:
+            import torch
+
+            from specrun.decoding.engine import Engine
+            from specrun.models.loader import load_model
+
+            self._check_job_dir()
+            spec = self.spec
+            if spec.threads > 0 and spec.device == "cpu":
+                torch.set_num_threads(spec.threads)
+            lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, trust_remote_code=spec.trust_remote_code)
+            if lm.fingerprint != spec.fingerprint:
+                raise ValueError(f"model at {spec.model!r} has fingerprint {lm.fingerprint}, the job was made with "
+                                 f"{spec.fingerprint}: the model files changed")
+            self.lm = lm
+            self.engine = Engine(lm, engine_config(spec.engine))
+            self.hot_source = self._warm_start()
+        return self.info()
+
     def info(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source}
 
@@ -88,27 +124,32 @@ class GenerationWorker:
         self.stop.set()
 
     def generate(self, task: dict) -> dict:
-        """task: id, input_ids, params (SamplingParams fields), resume_from, attempt -> result dict (see driver)."""
-        from specrun.decoding.models import decode_tokens
+        """task: id, input_ids, params (SamplingParams fields), resume_from -> result dict (see driver); "warnings"
+        lists the best-effort writes that failed (and were retried) on the way."""
         from specrun.decoding.sampling import SamplingParams
+        from specrun.models.loader import decode_tokens
 
+        self.load()
         params = SamplingParams(**task["params"])
         resume = list(task["resume_from"])
         ckpt = _Checkpointer(self, task["id"], len(resume), params.max_tokens)
         result = self.engine.generate(list(task["input_ids"]), params, resume_from=resume, on_step=ckpt)
         if result.finish_reason == "stopped":
             ckpt.flush(result.token_ids)
-            self.records.clear_live(task["id"])
-            return {"id": task["id"], "stopped": True, "n_tokens": len(result.token_ids)}
+            ckpt.best_effort("live status", self.records.clear_live, task["id"])
+            return {"id": task["id"], "stopped": True, "n_tokens": len(result.token_ids),
+                    "checkpointed": ckpt.start, "warnings": ckpt.report()}
         ckpt.snapshot()
         return {"id": task["id"], "stopped": False, "token_ids": result.token_ids,
-                "finish_reason": result.finish_reason, "stats": result.stats, "text": decode_tokens(self.lm.tokenizer, result.token_ids),
-                "resumed_tokens": len(resume)}
+                "finish_reason": result.finish_reason, "stats": result.stats,
+                "text": decode_tokens(self.lm.tokenizer, result.token_ids), "resumed_tokens": len(resume),
+                "warnings": ckpt.report()}
 
 
 class _Checkpointer:
     """on_step callback: appends a chunk every checkpoint_every tokens or checkpoint_seconds; writes live status after
-    each checkpoint and otherwise once per LIVE_EVERY_S."""
+    each checkpoint and otherwise once per LIVE_EVERY_S. Every write is best-effort: a failed chunk keeps its tokens
+    in the buffer for the next checkpoint (checkpoint_every tokens or checkpoint_seconds later, not every step)."""
 
     def __init__(self, worker: GenerationWorker, prompt_id: str, resumed: int, max_tokens: int):
         self.w, self.id, self.max_tokens = worker, prompt_id, max_tokens
@@ -116,28 +157,48 @@ class _Checkpointer:
         self.start = resumed  # first generated-token offset not yet in a chunk
         self.resumed = resumed
         self.buf: list[int] = []
+        self.due = worker.spec.checkpoint_every  # buffer length that triggers the next chunk write
         self.steps = 0
         self.t0 = self.last_ckpt = time.monotonic()
         self.last_live = 0.0
+        self.failures: dict[str, list] = {}  # what -> [count, last error]
         self._live(time.monotonic(), force=True)
 
     def __call__(self, emitted: list[int]) -> bool:
         self.buf.extend(emitted)
         self.steps += 1
         now = time.monotonic()
-        checkpoint = len(self.buf) >= self.w.spec.checkpoint_every or (
+        checkpoint = len(self.buf) >= self.due or (
             bool(self.buf) and now - self.last_ckpt >= self.w.spec.checkpoint_seconds)
         if checkpoint:
-            self._write(self.buf)
+            if not self._write(self.buf):
+                self.due = len(self.buf) + self.w.spec.checkpoint_every
             self.snapshot()
             self.last_ckpt = now
         self._live(now, force=checkpoint)  # a checkpoint is news: status shows it at once
         return self.w.stop.is_set()
 
-    def _write(self, tokens: list[int]) -> None:
-        write_chunk(self.progress, self.start, tokens)
+    def best_effort(self, what: str, fn, *args) -> bool:
+        try:
+            fn(*args)
+            return True
+        except OSError as e:
+            f = self.failures.setdefault(what, [0, ""])
+            f[0] += 1
+            f[1] = f"{type(e).__name__}: {e}"
+            log.warning("prompt %r: %s write failed (%s); retrying at the next checkpoint", self.id, what, f[1])
+            return False
+
+    def report(self) -> list[str]:
+        return [f"{what} write failed {n} time(s), last: {err}" for what, (n, err) in self.failures.items()]
+
+    def _write(self, tokens: list[int]) -> bool:
+        if not self.best_effort("checkpoint", write_chunk, self.progress, self.start, tokens):
+            return False
         self.start += len(tokens)
         self.buf = []
+        self.due = self.w.spec.checkpoint_every
+        return True
 
     def flush(self, all_tokens: list[int]) -> None:
         rest = all_tokens[self.start:]
@@ -149,7 +210,8 @@ class _Checkpointer:
         rec = self.w.engine.recycling
         if rec is not None:
             arrays = {k: v.numpy() for k, v in rec.state_dict().items()}
-            save_matrix(self.w.root / "state", self.w.slot, arrays, self.w.spec.fingerprint)
+            self.best_effort("recycling matrix", save_matrix, self.w.root / "state", self.w.slot, arrays,
+                             self.w.spec.fingerprint)
 
     def _live(self, now: float, force: bool = False) -> None:
         if not force and now - self.last_live < LIVE_EVERY_S:
@@ -157,7 +219,7 @@ class _Checkpointer:
         self.last_live = now
         new = self.start + len(self.buf) - self.resumed
         elapsed = now - self.t0
-        self.w.records.write_live(self.id, {
+        self.best_effort("live status", self.w.records.write_live, self.id, {
             "tokens": self.start + len(self.buf), "checkpointed": self.start, "max_tokens": self.max_tokens,
             "tokens_per_s": new / elapsed if elapsed > 0 else 0.0,
             "mean_accepted": new / self.steps if self.steps else 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 
 from specrun.bench.runner import Measurement
+from specrun.decoding.neartie import first_diff as _first_diff
 from specrun.decoding.stats import PHASES
 
 STEP_PHASES = tuple(p for p in PHASES if p != "prefill")  # + "other": wall time no phase accounts for
@@ -16,13 +17,6 @@ BASELINES = ("hf_ar", "specrun_ar")
 
 def _median(xs):
     return statistics.median(xs) if xs else None
-
-
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _paired_ratio(by_name: dict, name: str, base: str, rate) -> float | None:
@@ -136,6 +130,34 @@ def summarize(measurements: list[Measurement], kinds: dict[str, str], lengths: t
     return report
 
 
+def annotate_divergences(report: dict, measurements: list[Measurement], check) -> None:
+    """Give every mismatch and every specrun run its near-tie verdict (DESIGN section 2).
+
+    check(reference_tokens, tokens) -> Divergence; adds gap/near_tie/tolerance to each mismatch and per run row
+    identical, first_diff, gap, near_tie (first mismatching repeat); report["lossless"]: every mismatch a near tie.
+    """
+    if not report["mismatches"]:
+        for r in report["runs"]:
+            if r["kind"] == "specrun":
+                r.update(identical=True, first_diff=None, gap=None, near_tie=None)
+        report["lossless"] = True
+        return
+    ref = next(m for m in measurements if m.name == report["reference"] and m.repeat == 0).token_ids
+    tokens = {(m.name, m.repeat): m.token_ids for m in measurements}
+    for mm in report["mismatches"]:
+        d = check(ref, tokens[(mm["name"], mm["repeat"])])
+        mm.update(gap=d.gap, near_tie=d.near_tie, tolerance=d.tolerance, reference_token=d.reference_token,
+                  other_token=d.other_token)
+    for r in report["runs"]:
+        if r["kind"] != "specrun":
+            continue
+        mine = [mm for mm in report["mismatches"] if mm["name"] == r["name"]]
+        first = mine[0] if mine else {}
+        r.update(identical=not mine, first_diff=first.get("first_diff"), gap=first.get("gap"),
+                 near_tie=all(mm["near_tie"] for mm in mine) if mine else None)
+    report["lossless"] = all(mm["near_tie"] for mm in report["mismatches"])
+
+
 def _f(x, fmt="{:.2f}", none="-"):
     return none if x is None else fmt.format(x)
 
@@ -182,8 +204,12 @@ def render(report: dict, console) -> None:
         console.print(f"[green]all specrun runs produced identical tokens[/green] (reference {report['reference']})")
     else:
         for m in report["mismatches"]:
-            console.print(f"[red]MISMATCH[/red] {m['name']} repeat {m['repeat']}: first differs from "
-                          f"{m['reference']} at token {m['first_diff']}")
+            tie = ""
+            if "near_tie" in m:
+                verdict = "a near tie" if m["near_tie"] else "[red]NOT a near tie[/red]"
+                tie = f": AR score gap {m['gap']:.4g} (tolerance {m['tolerance']:.3g}), {verdict}"
+            console.print(f"[yellow]differs[/yellow] {m['name']} repeat {m['repeat']}: first differs from "
+                          f"{m['reference']} at token {m['first_diff']}{tie}")
     hm = report.get("hf_ar_matches_specrun_ar")
     if hm is not None:
         console.print("hf_ar tokens " + ("match specrun_ar" if hm["identical"] else

@@ -18,10 +18,11 @@ DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; i
 
 def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool):
     """Load a model or raise a ClickException naming the bad value; warns on stderr for the demo model."""
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model, resolve_dtype
 
     try:
-        lm = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        lm = load_model(model, dtype=resolve_dtype(dtype, model, device), device=device,
+                        trust_remote_code=trust_remote_code)
     except (ValueError, OSError) as e:
         raise click.ClickException(f"cannot load model {model!r}: {e}") from e
     if lm.is_demo:
@@ -29,16 +30,34 @@ def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool):
     return lm
 
 
+def encode_prompt(lm, text: str, chat: bool) -> list[int]:
+    """Token ids of the prompt; with chat, the text is one user message under the model's chat template."""
+    if chat:
+        if not getattr(lm.tokenizer, "chat_template", None):
+            raise click.UsageError("--chat: this model's tokenizer has no chat template")
+        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+    ids = lm.tokenizer.encode(text, add_special_tokens=not chat)  # the template already holds the special tokens
+    if not ids:
+        raise click.ClickException("the prompt encodes to no tokens")
+    return ids
+
+
+chat_option = click.option("--chat", is_flag=True,
+                           help="Send the prompt as a user message through the model's chat template (instruct models).")
+
+
 @click.command()
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Read the prompt text from this file.")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Most new tokens to generate.")
+@chat_option
 @model_options
 @sampling_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (token_ids, text, finish_reason, stats).")
-def generate(prompt, prompt_file, max_tokens, model, dtype, device, trust_remote_code, as_json, **kw):
+def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_remote_code, as_json, **kw):
     """Generate a continuation of one prompt with lossless speculative decoding.
 
     The tokens are exactly those plain autoregressive decoding would produce for the same model, prompt, sampling
@@ -46,7 +65,7 @@ def generate(prompt, prompt_file, max_tokens, model, dtype, device, trust_remote
 
     \b
     Examples:
-      specrun generate --prompt "Once upon a time" --max-tokens 200
+      specrun generate --model smollm2 --chat --prompt "Write a story about a dragon." --max-tokens 400
       specrun generate --model /models/Llama-3.1-8B --prompt-file p.txt --max-tokens 4096 --temperature 0.7 --seed 1
       specrun generate --prompt "abcabc" --draft none --json
     """
@@ -58,11 +77,9 @@ def generate(prompt, prompt_file, max_tokens, model, dtype, device, trust_remote
     lm = load_for_cli(model, dtype, device, trust_remote_code)
 
     from specrun.decoding.engine import Engine
-    from specrun.decoding.models import decode_tokens
+    from specrun.models.loader import decode_tokens
 
-    prompt_ids = lm.tokenizer.encode(text, add_special_tokens=True)
-    if not prompt_ids:
-        raise click.ClickException("the prompt encodes to no tokens")
+    prompt_ids = encode_prompt(lm, text, chat)
     try:
         engine = Engine(lm, config)
     except ValueError as e:
@@ -95,7 +112,7 @@ class _Streamer:
 
     def __call__(self, tokens: list[int]) -> bool:
         if self.enabled:
-            from specrun.decoding.models import decode_tokens
+            from specrun.models.loader import decode_tokens
 
             self.pending.extend(tokens)
             text = decode_tokens(self.tokenizer, self.pending)
@@ -107,7 +124,7 @@ class _Streamer:
 
     def finish(self) -> None:
         if self.enabled:
-            from specrun.decoding.models import decode_tokens
+            from specrun.models.loader import decode_tokens
 
             sys.stdout.write(decode_tokens(self.tokenizer, self.pending) + "\n")
             sys.stdout.flush()

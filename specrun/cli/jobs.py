@@ -6,6 +6,7 @@ Errors are ClickExceptions naming the bad line or value; exit code is non-zero i
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -14,11 +15,19 @@ import click
 from specrun.cli.options import (engine_config_from, engine_options, model_options, sampling_options,
                                  sampling_params_from)
 
+
+def _finite(ctx, param, value):
+    """click callback: a float flag must be a finite number (float('nan') and 'inf' parse, and pass range checks)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 run_options = [
     click.option("--actors", type=click.IntRange(min=1), default=None,
                  help="Worker actors. Default: 1 on CPU, one per GPU of the Ray cluster with --device cuda."),
     click.option("--gpus-per-actor", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-                 help="GPUs per actor with --device cuda (fractional packs small models)."),
+                 callback=_finite, help="GPUs per actor with --device cuda (fractional packs small models)."),
     click.option("--address", envvar="RAY_ADDRESS", default=None,
                  help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started quietly)."),
     click.option("--hot-start", "hot_start", multiple=True, type=click.Path(exists=True, file_okay=False),
@@ -33,6 +42,17 @@ def _apply(options):
             f = o(f)
         return f
     return deco
+
+
+def _remote_code(manifest: dict, given: bool, job_root) -> bool:
+    """The job's trust_remote_code, only when --trust-remote-code is given again: a job.json is data, not consent."""
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    wanted = model.get("trust_remote_code", False) is not False
+    if wanted and not given:
+        raise click.ClickException(
+            f"job {job_root} runs its model with --trust-remote-code (Python code shipped in {model.get('path')!r}); "
+            f"give --trust-remote-code again to allow it")
+    return wanted
 
 
 def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None) -> int:
@@ -58,7 +78,7 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Checkpoint each running prompt every N new tokens.")
 @click.option("--checkpoint-seconds", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="... and at least every S seconds.")
+              callback=_finite, help="... and at least every S seconds.")
 @model_options
 @sampling_options
 @engine_options
@@ -69,8 +89,9 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
 
     Each line has one of "prompt", "messages" or "input_ids", an optional "id" and optional overrides
     (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window); OpenAI batch lines
-    (custom_id + body) work too. The whole file is checked first; nothing starts if any line is bad.
-    Submitting again with the same input, model and flags resumes the job.
+    (custom_id, method POST, url, body) work too, and a body field we do not implement is refused by name.
+    PROMPTS is read once, so a pipe works (<(zcat p.jsonl.gz)). The whole file is checked first; nothing
+    starts if any line is bad. Submitting again with the same input, model and flags resumes the job.
 
     \b
     Examples:
@@ -85,11 +106,14 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
 
     params = sampling_params_from(kw, max_tokens)
     engine = engine_config_from(kw)
-    settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
+    from specrun.models.loader import resolve_dtype
+
     try:
         info = model_info(model, trust_remote_code)
+        dtype = resolve_dtype(dtype, model, device)  # stored resolved: a resume computes in the same dtype anywhere
     except (ValueError, OSError) as e:
         raise click.ClickException(f"cannot load model {model!r}: {e}") from e
+    settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
     if info.is_demo:
         from specrun.cli.generate import DEMO_NOTICE
 
@@ -97,20 +121,26 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     job_dir = job_dir or default_job_dir(prompts)
     try:
         job, created = prepare_job(prompts, job_dir, info, settings, params, engine)
-    except (InputError, JobError, ValueError) as e:
+        if not created:
+            _remote_code(job.manifest(), trust_remote_code, job.root)
+    except (InputError, JobError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from e
     if not quiet:
         click.echo(f"{'created' if created else 'resuming'} job {job.root}", err=True)
-    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet))
+    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, info.path))
 
 
 @click.command()
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--model", "model_path", default=None,
               help="The job's model at a new location (its fingerprint must match the job's).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Needed again to resume a job submitted with --trust-remote-code (job.json alone never allows it).")
 @_apply(run_options)
-def resume(job_dir, model_path, actors, gpus_per_actor, address, hot_start, quiet):
+def resume(job_dir, model_path, trust_remote_code, actors, gpus_per_actor, address, hot_start, quiet):
     """Continue an interrupted job from its checkpoints (failed prompts are retried).
+
+    A job submitted with --trust-remote-code resumes only with --trust-remote-code given again.
 
     \b
     Examples:
@@ -124,11 +154,12 @@ def resume(job_dir, model_path, actors, gpus_per_actor, address, hot_start, quie
         manifest = job.manifest()
     except JobError as e:
         raise click.ClickException(str(e)) from e
+    remote_code = _remote_code(manifest, trust_remote_code, job.root)
     if model_path is not None:
         from specrun.jobs.modelinfo import model_info
 
         try:
-            info = model_info(model_path, manifest["model"].get("trust_remote_code", False))
+            info = model_info(model_path, remote_code)
         except (ValueError, OSError) as e:
             raise click.ClickException(f"cannot load model {model_path!r}: {e}") from e
         if info.fingerprint != manifest["model"]["fingerprint"]:

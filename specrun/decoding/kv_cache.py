@@ -1,4 +1,4 @@
-"""Preallocated KV cache, token-major per layer ([slots, Hkv, D]: a paged layout with page size 1).
+"""Preallocated KV cache, head-major per layer ([Hkv, slots, D]: each head's keys are contiguous rows for attention).
 
 Slots [0, length) hold committed tokens; a forward writes its new K/V right after them; commit keeps the accepted ones.
 """
@@ -10,26 +10,26 @@ import torch
 
 class KVCache:
     def __init__(self, n_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype, device):
-        shape = (n_layers, capacity, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, S, Hkv, D]
+        shape = (n_layers, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0  # committed slots
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """# k, v: [T, Hkv, D] written at slots [start, start+T)"""
-        end = start + k.shape[0]
+        """# k, v: [Hkv, T, D] written at slots [start, start+T)"""
+        end = start + k.shape[1]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")
-        self.k[layer, start:end] = k
-        self.v[layer, start:end] = v
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
 
     def keys_values(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """# -> k, v: [Hkv, end, D] views of slots [0, end)"""
-        return self.k[layer, :end].transpose(0, 1), self.v[layer, :end].transpose(0, 1)
+        return self.k[layer, :, :end], self.v[layer, :, :end]
 
     def gather(self, layer: int, slots: torch.Tensor, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-KV-head selected slots followed by the T fresh slots [start, start+T) (causal among them: T == 1).
@@ -41,7 +41,7 @@ class KVCache:
         idx[:, :B] = slots
         idx[:, B:] = torch.arange(start, start + T, device=slots.device)
         heads = torch.arange(Hkv, device=slots.device)[:, None]
-        return self.k[layer][idx, heads], self.v[layer][idx, heads]
+        return self.k[layer][heads, idx], self.v[layer][heads, idx]
 
     def commit(self, offsets: torch.Tensor) -> None:
         """Keep the forward's slots length+offsets (ascending) as the next committed slots; drop the rest.
@@ -51,8 +51,8 @@ class KVCache:
         a = offsets.shape[0]
         src = offsets + self.length
         # index_select copies before the write, so overlapping source/destination is safe
-        self.k[:, self.length : self.length + a] = self.k.index_select(1, src)
-        self.v[:, self.length : self.length + a] = self.v.index_select(1, src)
+        self.k[:, :, self.length : self.length + a] = self.k.index_select(2, src)
+        self.v[:, :, self.length : self.length + a] = self.v.index_select(2, src)
         self.length += a
 
     def append(self, n: int) -> None:

@@ -89,7 +89,8 @@ class PartialKV:
     def _rebuild(self, cache: KVCache, q_last: Callable[[], torch.Tensor]) -> None:
         L = cache.length
         q = q_last()
-        layers = [select_top(importance(q[i], cache.k[i, :L]), self.budget, self.sinks) for i in range(cache.k.shape[0])]
+        keys = [cache.keys_values(i, L)[0].transpose(0, 1) for i in range(cache.k.shape[0])]  # [L, Hkv, D] views
+        layers = [select_top(importance(q[i], k), self.budget, self.sinks) for i, k in enumerate(keys)]
         self.slots = torch.stack(layers)
         self.known, self.tail = L, self.budget - 1
         self.rebuilds += 1

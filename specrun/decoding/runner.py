@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrun.decoding.attention import ATTN_IMPL, ForwardContext
+from specrun.decoding.attention import ForwardContext
+from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from specrun.decoding.models import LoadedModel
+    from specrun.models.loader import LoadedModel
 
 
 class ModelRunner:
@@ -21,9 +22,7 @@ class ModelRunner:
         self.lm = lm
         self.backend = backend
         self.model = lm.model
-        if self.model.config._attn_implementation != ATTN_IMPL:
-            self.model.set_attn_implementation(ATTN_IMPL)
-        self.decoder = self.model.get_decoder()
+        self.decoder = FusedDecoder.of(self.model)  # refuses architectures and features it would get wrong
         self.lm_head = self.model.get_output_embeddings()
         cfg = self.model.config
         self.n_layers = cfg.num_hidden_layers
@@ -65,24 +64,16 @@ class ModelRunner:
             block = self.mask_buf[:T, start : start + T]
             block.copy_(tree_mask)
             ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T], queries=queries, backend=self.backend)
-            mask4d = ctx.mask[None, None]
         else:
             ctx = ForwardContext(self.cache, start, None, select=select, queries=queries, backend=self.backend)
-            mask4d = self.mask_buf[:1, :1][None, None]  # a placeholder for transformers: `select` rules here
         try:
-            out = self.decoder(
-                input_ids=tokens[None],
-                position_ids=positions[None],
-                attention_mask=mask4d,  # 4D masks pass through transformers untouched
-                use_cache=False,
-                specrun_ctx=ctx,
-            )
+            hidden = self.decoder(tokens, positions, ctx)
         finally:
             if block is not None:
                 block.fill_(True)  # these slots are prefix (or free) for the next forward
         if capture_queries:
             self.queries = queries
-        return out.last_hidden_state[0]
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """# hidden: [T, H] -> [T, V] in float32 (float64 stays float64)"""

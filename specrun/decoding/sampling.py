@@ -6,11 +6,13 @@ Noise depends only on (seed, absolute position, token id), so every trie node at
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 _M32 = 0xFFFFFFFF
+MAX_INT = 2**31 - 1  # counts and windows beyond any context; larger values overflow int32/int64 tensor arguments
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -27,15 +29,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        for f in fields(self):
+            if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be a finite number")
         checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("max_tokens", 1 <= self.max_tokens <= MAX_INT, f"must be in [1, {MAX_INT}]"),
+            ("temperature", self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
+             f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller ones overflow the scaled logits)"),
+            ("top_k", 0 <= self.top_k <= MAX_INT, f"must be in [0, {MAX_INT}] (0 = off)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p < 1.0, "must be in [0, 1)"),
             ("eta", 0.0 <= self.eta < 1.0, "must be in [0, 1)"),
             ("penalty", self.penalty > 0.0, "must be > 0 (1 = off)"),
-            ("penalty_window", self.penalty_window >= 0, "must be >= 0"),
+            ("penalty_window", 0 <= self.penalty_window <= MAX_INT, f"must be in [0, {MAX_INT}]"),
             ("seed", 0 <= self.seed < 2**63, "must be in [0, 2**63)"),
         ]
         for name, ok, why in checks:

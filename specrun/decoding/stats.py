@@ -1,7 +1,8 @@
 """Per-generation statistics: steps, accepted tokens per step, tokens per drafter, seconds per phase.
 
 alpha: mean share of the deepest offered draft path accepted per step; beta: share of steps whose accepted path
-includes an n-gram node (TokenSwift's acceptance and n-gram acceptance). Counters only, cheap every step.
+includes an n-gram node (TokenSwift's acceptance and n-gram acceptance). Sampled steps: expected acceptance (drafted
+children's probability mass) beside the observed one, per path node with children. Counters only, cheap every step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class GenStats:
         self.alpha_sum = 0.0
         self.ngram_steps = 0
         self.kv_rebuilds = 0
+        self.expected_sum = self.observed_sum = 0.0  # sampled steps: drafted children's mass vs accepted (per node)
+        self.accept_nodes = 0
         self.phase = dict.fromkeys(PHASES, 0.0)
         self.t0 = time.perf_counter()
 
@@ -46,6 +49,13 @@ class GenStats:
         self.ngram_steps += "ngram" in names
         self.by_drafter.update(names)
 
+    def record_acceptance(self, expected, observed) -> None:
+        """# expected, observed: [N] per path node with drafted children (trie.drafted_mass)"""
+        self.accept_nodes += int(expected.shape[0])
+        if expected.shape[0]:
+            self.expected_sum += float(expected.sum())
+            self.observed_sum += float(observed.sum())
+
     def as_dict(self) -> dict:
         seconds = time.perf_counter() - self.t0
         return {
@@ -58,6 +68,9 @@ class GenStats:
             "alpha": self.alpha_sum / self.steps if self.steps else 0.0,
             "beta": self.ngram_steps / self.steps if self.steps else 0.0,
             "kv_rebuilds": self.kv_rebuilds,
+            "acceptance_nodes": self.accept_nodes,
+            "expected_acceptance": self.expected_sum / self.accept_nodes if self.accept_nodes else None,
+            "observed_acceptance": self.observed_sum / self.accept_nodes if self.accept_nodes else None,
             "phase_seconds": {k: round(v, 6) for k, v in self.phase.items()},
             "seconds": seconds,
             "tokens_per_s": self.new_tokens / seconds if seconds > 0 else 0.0,

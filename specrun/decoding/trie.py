@@ -104,3 +104,19 @@ def walk(trie: Trie, choice: torch.Tensor) -> torch.Tensor:
         accepted[idx] = accepted[par] & (trie.tokens[idx] == choice[par])
     # siblings are distinct, so the accepted nodes form one chain; index order is depth order
     return accepted.nonzero().squeeze(1)
+
+
+def drafted_mass(trie: Trie, processed: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per node on the accepted path that has drafted children: the probability that AR's sampled token is one of
+    them (softmax of the processed logits summed over the children's tokens) and whether the path went on (1/0).
+
+    Expected and observed acceptance must agree on average for sampled text (a gap means biased verification).
+    # processed: [T, V], path: [A] long -> expected: [N] float, observed: [N] float (N <= A)
+    """
+    children = trie.parents[None, :] == path[:, None]  # [A, T]
+    has = children.any(dim=1)
+    went_on = torch.ones_like(has)
+    went_on[-1] = False  # the last path node's choice matched none of its children
+    probs = processed[path[has]].softmax(dim=-1)  # [N, V]
+    mass = (probs[:, trie.tokens] * children[has]).sum(dim=1)  # [N]
+    return mass, went_on[has].to(mass.dtype)

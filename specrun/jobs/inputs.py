@@ -1,26 +1,44 @@
-"""prompts.jsonl -> validated PromptRecords: reads the whole file and reports every bad line with its number and reason.
+"""prompts.jsonl -> validated PromptRecords, in one streaming pass that also hashes the bytes (pipes and FIFOs work).
 
-Accepts `prompt` | `messages` | `input_ids` lines with optional id and sampling overrides, and OpenAI batch lines.
+Every bad line is reported with its number and reason (bad JSON or UTF-8, lone surrogates, absurd nesting or numbers,
+wrong fields, a chat template that raises, too long for the model); nothing is returned unless every line is good.
+Accepts `prompt` | `messages` | `input_ids` lines with optional id and sampling overrides, and OpenAI batch lines
+(POST /v1/completions or /v1/chat/completions); an OpenAI body field we do not implement is refused by name.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
+import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.decoding.sampling import SamplingParams
 
 MAX_REPORTED = 20
+MAX_LINE_BYTES = 64 << 20  # a longer line is reported, never loaded (a binary file without newlines stays cheap)
+MAX_INT = 2**63 - 1  # an integer given for any override must fit in int64 (a float field converts it)
 OVERRIDES = {"max_tokens": int, "seed": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
              "penalty": float, "penalty_window": int}
 SOURCES = ("prompt", "messages", "input_ids")
-OPENAI_URLS = ("/v1/completions", "/v1/chat/completions")
+OPENAI_LINE = ("custom_id", "method", "url", "body")
+OPENAI_URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}  # url -> the body's source field
+# Body fields we implement (theirs -> our override). Every other body field is refused by name, `stop` included: to
+# lift a refusal, implement the field and map it here (and in OVERRIDES).
 OPENAI_BODY = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "seed": "seed",
                "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                "repetition_penalty": "penalty"}
+OPENAI_NO_EFFECT = ("model", "user")  # accepted, change nothing: the job's --model generates every line
+OPENAI_NEUTRAL = {"n": 1, "best_of": 1, "stream": False, "echo": False, "logprobs": False, "frequency_penalty": 0,
+                  "presence_penalty": 0}  # accepted only at the value that changes nothing
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text spells a UTF-16 surrogate
+_BLANK = object()  # _parse's answer for a blank line (JSON null is a value, and a bad line)
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = _short.maxlong = 40
 
 
 @dataclass(frozen=True)
@@ -37,20 +55,12 @@ class InputError(ValueError):
     def __init__(self, path: str, problems: list[str], total: int):
         self.problems, self.total = problems, total
         more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
-        super().__init__(f"{path}: {total} bad line(s), nothing was started:\n  " + "\n  ".join(problems) + more)
+        super().__init__(f"{path}: {total} problem(s), nothing was started:\n  " + "\n  ".join(problems) + more)
 
 
 def derive_seed(job_seed: int, prompt_id: str) -> int:
     """A prompt without its own seed samples with a seed from (job seed, id): same on every resume, distinct per id."""
     return int.from_bytes(hashlib.sha256(f"{job_seed}\0{prompt_id}".encode()).digest()[:8], "little") >> 1
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _type_ok(value, kind) -> bool:
@@ -59,25 +69,91 @@ def _type_ok(value, kind) -> bool:
     return isinstance(value, int) if kind is int else isinstance(value, (int, float))
 
 
+def _parse(data: bytes, line: int):
+    """One line's bytes -> JSON value, or _BLANK for a blank line; ValueError naming the fault."""
+    if line == 1 and data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]  # editors write one; it is not part of the first object
+    try:
+        s = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})") from None
+    if not s.strip(" \t\r\n"):  # JSON whitespace only: a line of other invisible characters is bad JSON
+        return _BLANK
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bad JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("bad JSON: nested too deeply") from None
+    except ValueError as e:  # an integer beyond Python's int-str conversion limit
+        raise ValueError(f"bad JSON: {str(e).split(';')[0]}") from None
+    if _SURROGATE_ESCAPE.search(s):
+        _check_unicode(obj)
+    return obj
+
+
+def _check_unicode(obj) -> None:
+    """Name a string (or field name) holding a lone surrogate, which UTF-8 and tokenizers cannot encode."""
+    stack = [(obj, "")]  # iterative: a line may nest as deep as json.loads goes, deeper than recursion here could
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, f"a field name in {where or 'the line'}")
+                stack.append((v, f"{where}.{k}" if where else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
+
+
 def _from_openai(obj: dict) -> dict:
     """OpenAI/vLLM batch line -> plain line (raises ValueError naming the problem)."""
-    cid, body, url = obj.get("custom_id"), obj.get("body"), obj.get("url", "")
+    unknown = sorted(set(obj) - set(OPENAI_LINE))
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} in an OpenAI batch line (allowed: {', '.join(OPENAI_LINE)})")
+    cid, method, url, body = (obj.get(k) for k in OPENAI_LINE)
     if not isinstance(cid, str) or not cid:
         raise ValueError("OpenAI batch line needs a non-empty string 'custom_id'")
+    if method != "POST":
+        raise ValueError(f"OpenAI batch line needs \"method\": \"POST\" (got {_short.repr(method)})")
+    if not url:
+        raise ValueError(f"OpenAI batch line needs a 'url' ({' or '.join(OPENAI_URLS)})")
+    if not isinstance(url, str) or url not in OPENAI_URLS:
+        raise ValueError(f"url {_short.repr(url)} is not supported (use {' or '.join(OPENAI_URLS)})")
     if not isinstance(body, dict):
         raise ValueError("OpenAI batch line needs an object 'body'")
-    if url and url not in OPENAI_URLS:
-        raise ValueError(f"url {url!r} is not supported (use {' or '.join(OPENAI_URLS)})")
-    if body.get("n", 1) != 1:
-        raise ValueError(f"body.n={body['n']!r}: only n=1 is supported")
-    out = {"id": cid}
-    if "messages" in body or url == "/v1/chat/completions":
-        out["messages"] = body.get("messages")
-    elif isinstance(body.get("prompt"), list) and all(_type_ok(t, int) for t in body["prompt"]):
-        out["input_ids"] = body["prompt"]
+    body = {k: v for k, v in body.items() if v is not None}  # null means "not set" in the OpenAI API
+    source = OPENAI_URLS[url]
+    for k, v in body.items():
+        if k in OPENAI_NEUTRAL:
+            neutral = OPENAI_NEUTRAL[k]
+            if isinstance(v, bool) != isinstance(neutral, bool) or v != neutral:
+                raise ValueError(f"body field {k!r} is only supported as {json.dumps(neutral)} "
+                                 f"(got {_short.repr(v)})")
+        elif k != source and k not in OPENAI_BODY and k not in OPENAI_NO_EFFECT:
+            raise ValueError(f"body field {k!r} is not supported"
+                             + (f" by {url}" if k in OPENAI_URLS.values() else ""))
+    if source not in body:
+        raise ValueError(f"body needs {source!r} for {url}")
+    value = body[source]
+    if source == "prompt" and isinstance(value, list) and all(_type_ok(t, int) for t in value):
+        out = {"id": cid, "input_ids": value}
     else:
-        out["prompt"] = body.get("prompt")
-    out.update({ours: body[theirs] for theirs, ours in OPENAI_BODY.items() if theirs in body})
+        out = {"id": cid, source: value}
+    for theirs, ours in OPENAI_BODY.items():
+        if theirs in body:
+            if ours in out:
+                both = " and ".join(repr(t) for t, o in OPENAI_BODY.items() if o == ours and t in body)
+                raise ValueError(f"body has both {both}: give one")
+            out[ours] = body[theirs]
     return out
 
 
@@ -99,14 +175,17 @@ class _Validator:
             raise ValueError(f"needs exactly one of {', '.join(SOURCES)} (found {', '.join(given) or 'none'})")
         pid = obj.get("id", line)
         if isinstance(pid, bool) or not isinstance(pid, (str, int)) or pid == "":
-            raise ValueError(f"id {pid!r} must be a non-empty string or an integer")
+            raise ValueError(f"id {_short.repr(pid)} must be a non-empty string or an integer")
         pid = str(pid)
         overrides = {}
         for k, kind in OVERRIDES.items():
             if k in obj:
-                if not _type_ok(obj[k], kind):
-                    raise ValueError(f"{k}={obj[k]!r} must be {'an integer' if kind is int else 'a number'}")
-                overrides[k] = obj[k]
+                value = obj[k]
+                if not _type_ok(value, kind):
+                    raise ValueError(f"{k}={_short.repr(value)} must be {'an integer' if kind is int else 'a number'}")
+                if isinstance(value, int) and abs(value) > MAX_INT:
+                    raise ValueError(f"{k}={_short.repr(value)} is out of range (at most 2**63 - 1)")
+                overrides[k] = value
         seed = overrides.get("seed", derive_seed(self.base.seed, pid))
         try:
             params = dataclasses.replace(self.base, **{**overrides, "seed": seed})
@@ -125,7 +204,8 @@ class _Validator:
                 raise ValueError("input_ids must be a non-empty list of integers")
             bad = [t for t in value if not _type_ok(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"input_ids holds {bad[0]!r}: token ids must be integers in [0, {self.vocab_size})")
+                raise ValueError(f"input_ids holds {_short.repr(bad[0])}: token ids must be integers in "
+                                 f"[0, {self.vocab_size})")
             return None, value
         if kind == "messages":
             if not isinstance(value, list) or not value:
@@ -135,7 +215,10 @@ class _Validator:
                     raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
             if not getattr(self.tok, "chat_template", None):
                 raise ValueError("messages given, but the model's tokenizer has no chat template (use 'prompt')")
-            text = self.tok.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tok.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - the template is the model's code: any failure is this line's fault
+                raise ValueError(f"the chat template refused the messages: {type(e).__name__}: {e}") from None
             ids = self.tok.encode(text, add_special_tokens=False)
         else:
             if not isinstance(value, str):
@@ -148,47 +231,60 @@ class _Validator:
         return text, ids
 
 
+def _lines(f, h):
+    """(line number, bytes) of a binary stream, each line fed to the hash h as read; an over-long line -> None."""
+    line = 0
+    while data := f.readline(MAX_LINE_BYTES + 1):
+        line += 1
+        h.update(data)
+        if len(data) > MAX_LINE_BYTES:
+            while not data.endswith(b"\n") and (data := f.readline(MAX_LINE_BYTES)):
+                h.update(data)  # skip (but hash) the rest of the line
+            data = None
+        yield line, data
+
+
 def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int, base: SamplingParams,
-                 max_reported: int = MAX_REPORTED) -> list[PromptRecord]:
-    """Validate the whole file; raise InputError listing bad lines (line number + reason) when any is bad."""
+                 max_reported: int = MAX_REPORTED) -> tuple[list[PromptRecord], str]:
+    """Read PATH once, streaming (a pipe or FIFO works): -> (records, sha256 hex of every byte read).
+
+    Raises InputError listing the bad lines (line number + reason) when any is bad, or when PATH cannot be read.
+    """
     v = _Validator(tokenizer, max_context, vocab_size, base)
     problems: list[str] = []
     total_bad = 0
     records: list[PromptRecord] = []
     first_line: dict[str, int] = {}
 
-    def bad(line: int, why: str) -> None:
+    def bad(why: str) -> None:
         nonlocal total_bad
         total_bad += 1
         if len(problems) < max_reported:
-            problems.append(f"line {line}: {why}")
+            problems.append(why)
 
-    raw = Path(path).read_bytes()
-    for line, data in enumerate(raw.split(b"\n"), start=1):
-        try:
-            s = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            bad(line, f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})")
-            continue
-        if not s.strip():
-            continue
-        try:
-            obj = json.loads(s)
-        except json.JSONDecodeError as e:
-            bad(line, f"bad JSON: {e.msg} (column {e.colno})")
-            continue
-        try:
-            rec = v.record(obj, line)
-        except ValueError as e:
-            bad(line, str(e))
-            continue
-        if rec.id in first_line:
-            bad(line, f"duplicate id {rec.id!r} (first used on line {first_line[rec.id]})")
-            continue
-        first_line[rec.id] = line
-        records.append(rec)
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for line, data in _lines(f, h):
+                try:
+                    if data is None:
+                        raise ValueError(f"longer than {MAX_LINE_BYTES} bytes")
+                    obj = _parse(data, line)
+                    if obj is _BLANK:
+                        continue
+                    rec = v.record(obj, line)
+                    if rec.id in first_line:
+                        raise ValueError(f"duplicate id {_short.repr(rec.id)} (first used on line "
+                                         f"{first_line[rec.id]})")
+                except ValueError as e:
+                    bad(f"line {line}: {e}")
+                    continue
+                first_line[rec.id] = line
+                records.append(rec)
+    except OSError as e:
+        raise InputError(str(path), [f"cannot read it: {e.strerror or e}"], 1) from None
     if not records and not total_bad:
-        bad(0, "no prompts (the file is empty)")
+        bad("no prompts (the file is empty or has only blank lines)")
     if total_bad:
         raise InputError(str(path), problems, total_bad)
-    return records
+    return records, h.hexdigest()

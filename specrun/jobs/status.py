@@ -1,4 +1,4 @@
-"""`specrun status`: per-prompt state (pending, running, done, failed), tokens, tok/s, acceptance, ETA, and totals.
+"""`specrun status`: per-prompt state (pending, running, done, failed, repair), tokens, tok/s, acceptance, ETA, totals.
 
 Read-only and safe from any terminal during or after a run: it reads markers, outputs, chunk names and live files.
 """
@@ -15,6 +15,16 @@ from specrun.storage.schemas import OUTPUT
 
 LIVE_FRESH_S = 120.0  # a live file older than this (or with no driver) is an interrupted run, not a running one
 OUT_COLUMNS = ["id", "n_tokens", "finish_reason", "tokens_per_s", "mean_accepted", "seconds"]
+# "repair": marked done but its output file is missing or unreadable (resume regenerates it from its checkpoints)
+STATES = ("pending", "running", "done", "failed", "repair")
+
+
+def _output_summary(path, prompt_id: str) -> dict | None:
+    try:
+        rows = pq.read_table(path, columns=OUT_COLUMNS, schema=OUTPUT).to_pylist()
+    except Exception:  # missing, truncated, not Parquet, I/O error
+        return None
+    return rows[0] if len(rows) == 1 and rows[0]["id"] == prompt_id else None
 
 
 def job_status(job: JobDir) -> dict:
@@ -26,10 +36,12 @@ def job_status(job: JobDir) -> dict:
         rec = job.records
         row = {"id": p.id, "line": p.line, "max_tokens": p.params.max_tokens, "tokens": 0, "tokens_per_s": None,
                "mean_accepted": None, "eta_s": None, "finish_reason": None, "error": None}
-        if rec.is_done(p.id):
-            o = pq.read_table(rec.output_path(p.id), columns=OUT_COLUMNS, schema=OUTPUT).to_pylist()[0]
+        if rec.is_done(p.id) and (o := _output_summary(rec.output_path(p.id), p.id)) is not None:
             row.update(state="done", tokens=o["n_tokens"], tokens_per_s=o["tokens_per_s"],
                        mean_accepted=o["mean_accepted"], finish_reason=o["finish_reason"], eta_s=0.0)
+        elif rec.is_done(p.id):  # a done marker without a readable output row: resume regenerates the prompt
+            row.update(state="repair", tokens=progress_count(job.progress_dir(p.id)),
+                       error=f"{rec.output_problem(p.id) or 'output unreadable'}; `specrun resume` regenerates it")
         elif (f := rec.failure(p.id)) is not None:
             row.update(state="failed", error=f.get("error"), tokens=progress_count(job.progress_dir(p.id)))
         else:
@@ -42,9 +54,9 @@ def job_status(job: JobDir) -> dict:
             else:
                 row.update(state="pending", tokens=progress_count(job.progress_dir(p.id)))
         rows.append(row)
-    counts = {s: sum(r["state"] == s for r in rows) for s in ("pending", "running", "done", "failed")}
+    counts = {s: sum(r["state"] == s for r in rows) for s in STATES}
     running_rate = sum(r["tokens_per_s"] or 0 for r in rows if r["state"] == "running")
-    left = sum(max(0, r["max_tokens"] - r["tokens"]) for r in rows if r["state"] in ("pending", "running"))
+    left = sum(max(0, r["max_tokens"] - r["tokens"]) for r in rows if r["state"] in ("pending", "running", "repair"))
     return {
         "job": str(job.root), "model": manifest["model"]["path"],
         "driver": {"running": driver_up, **({"pid": owner.get("pid"), "host": owner.get("host")} if owner else {})},
@@ -68,7 +80,8 @@ def render_status(st: dict, console) -> None:
     console.print(t)
     tot = st["totals"]
     console.print(f"{tot['done']}/{tot['total']} done, {tot['running']} running, {tot['pending']} pending, "
-                  f"{tot['failed']} failed; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; "
+                  f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
+                  + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; "
                   f"ETA {_eta(tot['eta_s'])}")
 
 

@@ -1,18 +1,21 @@
 """Turn a prompts file + settings into a job directory: validate everything first (writing nothing on error), then
 create the job, or reuse an existing one with identical input/model/params, or refuse saying what differs.
+
+The prompts are read once, validated and hashed in the same pass, so a pipe or FIFO is hashed by what it held.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
 from specrun import __version__
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
-from specrun.jobs.inputs import file_sha256, read_prompts
+from specrun.jobs.inputs import read_prompts
 from specrun.jobs.jobdir import JobDir, JobError, manifest_differences
 from specrun.jobs.modelinfo import ModelInfo
 from specrun.storage.schemas import SCHEMA_VERSION
@@ -33,8 +36,8 @@ class JobSettings:
     def __post_init__(self):
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1")
-        if self.checkpoint_seconds <= 0:
-            raise ValueError(f"checkpoint_seconds={self.checkpoint_seconds} must be > 0")
+        if not (math.isfinite(self.checkpoint_seconds) and self.checkpoint_seconds > 0):
+            raise ValueError(f"checkpoint_seconds={self.checkpoint_seconds} must be a finite number > 0")
 
 
 def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: ModelInfo, settings: JobSettings,
@@ -54,8 +57,8 @@ def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, 
                 params: SamplingParams, engine: EngineConfig) -> tuple[JobDir, bool]:
     """-> (job, created). Raises InputError (bad lines) or JobError (existing job differs) before writing anything."""
     prompts_path = Path(prompts_path)
-    records = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params)
-    manifest = build_manifest(prompts_path, file_sha256(prompts_path), len(records), info, settings, params, engine)
+    records, input_sha = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params)
+    manifest = build_manifest(prompts_path, input_sha, len(records), info, settings, params, engine)
     job = JobDir(job_dir)
     if job.exists():
         diffs = manifest_differences(job.manifest(), manifest)

@@ -1,7 +1,10 @@
-"""Append-only progress chunks: PROGRESS_DIR/chunk-<start:010d>-<end:010d>.parquet, one row of generated token ids.
+"""Progress chunks: PROGRESS_DIR/chunk-<start:010d>-<end:010d>.parquet, one row of generated token ids.
 
-Each chunk carries its offsets and a checksum; reading returns the longest contiguous prefix of valid chunks and
-moves corrupt or truncated ones aside (`.corrupt`) so the tokens they held are regenerated.
+Each chunk carries its offsets and a checksum. Reading returns the longest contiguous prefix of valid chunks that
+agree with each other; everything else is moved aside so the tokens it held are regenerated, never stitched in:
+corrupt or truncated chunks become `*.corrupt`, valid chunks that do not continue that prefix (after a gap, or
+disagreeing with it at an overlapping or repeated span: an earlier, diverged run) become `*.stale`. A write replaces
+a chunk already at the same span atomically (a stale one must never block the new one).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specrun.storage.atomic import atomic_write_table
 from specrun.storage.schemas import CHUNK
 
 _NAME = re.compile(r"^chunk-(\d{10})-(\d{10})\.parquet$")
+_TMP = re.compile(r"^\.chunk-\d{10}-\d{10}\.parquet\.[0-9a-f]+\.tmp$")  # a writer killed mid-write (atomic.py)
 
 
 def checksum(start: int, end: int, token_ids) -> str:
@@ -33,16 +37,14 @@ def chunk_name(start: int, end: int) -> str:
 
 
 def write_chunk(progress_dir: str | os.PathLike, start: int, token_ids: list[int]) -> Path:
-    """Append the generated tokens [start, start+len) as a new chunk file (never rewrites an existing one)."""
+    """Write the generated tokens [start, start+len) as a chunk file; one already at that span is replaced atomically
+    (it can only be a leftover of an earlier run whose later chunks read_progress has already moved aside)."""
     if not token_ids:
         raise ValueError("a chunk needs at least one token")
     end = start + len(token_ids)
     row = {"start": [start], "end": [end], "token_ids": [list(token_ids)],
            "checksum": [checksum(start, end, token_ids)], "written_at": [time.time()]}
-    path = Path(progress_dir) / chunk_name(start, end)
-    if path.exists():  # same span already durable: by determinism it holds the same tokens
-        return path
-    return atomic_write_table(path, pa.Table.from_pydict(row, schema=CHUNK))
+    return atomic_write_table(Path(progress_dir) / chunk_name(start, end), pa.Table.from_pydict(row, schema=CHUNK))
 
 
 def _read_valid(path: Path, start: int, end: int) -> list[int] | None:
@@ -59,8 +61,21 @@ def _read_valid(path: Path, start: int, end: int) -> list[int] | None:
     return toks if row["checksum"] == checksum(start, end, toks) else None
 
 
+def _set_aside(path: Path, suffix: str) -> None:
+    try:
+        os.replace(path, path.with_name(path.name + suffix))
+    except FileNotFoundError:
+        pass
+
+
 def read_progress(progress_dir: str | os.PathLike, quarantine: bool = True) -> list[int]:
-    """Longest contiguous run of checkpointed tokens from offset 0; invalid chunks are renamed to *.corrupt."""
+    """Longest contiguous run of consistent checkpointed tokens from offset 0.
+
+    With quarantine (the driver, before it hands the prompt to a worker: nobody writes this directory then), every
+    chunk that is not part of that run is moved aside (`.corrupt` unreadable, `.stale` valid but after a gap or
+    disagreeing with the run) and leftover temporaries are removed, so later chunks only ever continue the run.
+    quarantine=False reads without touching anything.
+    """
     d = Path(progress_dir)
     if not d.is_dir():
         return []
@@ -69,17 +84,26 @@ def read_progress(progress_dir: str | os.PathLike, quarantine: bool = True) -> l
         m = _NAME.match(p.name)
         if m:
             spans.append((int(m.group(1)), int(m.group(2)), p))
-    spans.sort()
+        elif quarantine and _TMP.match(p.name):
+            p.unlink(missing_ok=True)
+    spans.sort(key=lambda s: (s[0], s[1]))
     out: list[int] = []
     for start, end, path in spans:
-        if start > len(out) or end <= len(out):
-            continue  # a gap (tokens before it were lost) or nothing new
+        if start > len(out) or end <= start:  # a gap: the tokens before it were lost, what follows is another run's
+            if quarantine:
+                _set_aside(path, ".stale")
+            continue
         toks = _read_valid(path, start, end)
         if toks is None:
             if quarantine:
-                os.replace(path, path.with_name(path.name + ".corrupt"))
+                _set_aside(path, ".corrupt")
             continue
-        out.extend(toks[len(out) - start:])
+        overlap = min(end, len(out)) - start
+        if toks[:overlap] != out[start:start + overlap]:  # another run's tokens for the same span
+            if quarantine:
+                _set_aside(path, ".stale")
+            continue
+        out.extend(toks[overlap:])
     return out
 
 

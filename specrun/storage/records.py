@@ -6,6 +6,7 @@ The done marker is written only after the output row is durable; outputs are one
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -57,19 +58,37 @@ class Records:
         (self.failed / f"{key}.json").unlink(missing_ok=True)
         (self.live / f"{key}.json").unlink(missing_ok=True)
 
-    def repair_marker(self, prompt_id: str) -> bool:
-        """A durable output without its marker (crash in between) gets its marker; True if the prompt is done."""
-        if self.is_done(prompt_id):
-            return True
+    def output_problem(self, prompt_id: str) -> str | None:
+        """None when the prompt's output file is readable and holds its row; else what is wrong with it. Reads the
+        footer and the small id column only (cheap at any output length)."""
         path = self.output_path(prompt_id)
         try:
-            t = pq.read_table(path, schema=OUTPUT)
-        except Exception:
-            return False
+            t = pq.read_table(path, columns=["id", "n_tokens"], schema=OUTPUT)
+        except FileNotFoundError:
+            return f"output file {path.name} is missing"
+        except Exception as e:  # truncated, not Parquet, wrong schema, I/O error
+            return f"output file {path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})"
         if t.num_rows != 1 or t.column("id")[0].as_py() != prompt_id:
+            return f"output file {path.name} does not hold this prompt's row"
+        return None
+
+    def repair_marker(self, prompt_id: str) -> bool:
+        """True if the prompt is done: its output row is readable. A durable output without its marker (crash in
+        between) gets its marker; a marker without a readable output is dropped (the output moved aside as
+        `.corrupt` when present) so that the prompt is generated again from its checkpoints."""
+        marker = self.done / f"{id_key(prompt_id)}.json"
+        problem = self.output_problem(prompt_id)
+        if problem is not None:
+            if marker.exists():
+                path = self.output_path(prompt_id)
+                if path.exists():
+                    os.replace(path, path.with_name(path.name + ".corrupt"))
+                marker.unlink(missing_ok=True)
             return False
-        atomic_write_json(self.done / f"{id_key(prompt_id)}.json",
-                          {"id": prompt_id, "n_tokens": t.column("n_tokens")[0].as_py(), "output": path.name})
+        if not marker.exists():
+            t = pq.read_table(self.output_path(prompt_id), columns=["n_tokens"], schema=OUTPUT)
+            atomic_write_json(marker, {"id": prompt_id, "n_tokens": t.column("n_tokens")[0].as_py(),
+                                       "output": f"outputs/{self.output_path(prompt_id).name}"})
         return True
 
     def read_done(self, prompt_id: str) -> dict | None:
@@ -100,11 +119,16 @@ class Records:
         (self.live / f"{id_key(prompt_id)}.json").unlink(missing_ok=True)
 
     def read_outputs(self) -> pa.Table:
-        """All finished rows (those with a done marker), in file-name order."""
+        """All finished rows (those with a done marker and a readable output), in file-name order. A marker whose
+        output is missing or unreadable is skipped (status shows it as needing repair; resume regenerates it)."""
         tables = []
         if self.done.is_dir():
             for marker in sorted(self.done.glob("*.json")):
-                tables.append(pq.read_table(self.outputs / f"{marker.stem}.parquet", schema=OUTPUT))
+                try:
+                    t = pq.read_table(self.outputs / f"{marker.stem}.parquet", schema=OUTPUT)
+                except Exception:
+                    continue
+                tables.append(t)
         return pa.concat_tables(tables) if tables else OUTPUT.empty_table()
 
 

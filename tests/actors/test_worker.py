@@ -9,7 +9,7 @@ import pytest
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.engine import Engine
-from specrun.decoding.models import load_model
+from specrun.models.loader import load_model
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.modelinfo import model_info
 from specrun.storage.chunks import read_progress
@@ -83,3 +83,44 @@ def test_hot_start_from_another_job(model, tmp_path):
 def test_worker_refuses_a_model_whose_files_changed(model, tmp_path):
     with pytest.raises(ValueError, match="fingerprint"):
         GenerationWorker(dataclasses.replace(_spec(model, tmp_path), fingerprint="0" * 16), slot=0)
+
+
+def test_failed_checkpoint_status_and_matrix_writes_are_retried_not_fatal(model, reference, tmp_path, monkeypatch,
+                                                                          caplog):
+    """Each kind of worker write raises OSError once (disk full, stale NFS handle): the prompt still finishes with
+    the same tokens, every token gets checkpointed at a later checkpoint, and the failures are reported."""
+    import specrun.actors.worker as worker_mod
+
+    w = GenerationWorker(_spec(model, tmp_path, checkpoint_every=16), slot=0)
+    failed = set()
+
+    def once(name, real):
+        def f(*a, **kw):
+            if name not in failed:
+                failed.add(name)
+                raise OSError(28, f"No space left on device ({name})")
+            return real(*a, **kw)
+        return f
+
+    monkeypatch.setattr(worker_mod, "write_chunk", once("chunk", worker_mod.write_chunk))
+    monkeypatch.setattr(worker_mod, "save_matrix", once("matrix", worker_mod.save_matrix))
+    monkeypatch.setattr(w.records, "write_live", once("live", w.records.write_live))
+    with caplog.at_level("WARNING", logger="specrun.actors.worker"):
+        res = w.generate(_task())
+    assert failed == {"chunk", "matrix", "live"}
+    assert res["token_ids"] == reference
+    saved = read_progress(tmp_path / "progress" / id_key("p/1"))
+    assert len(saved) >= 120 - 16 and saved == reference[:len(saved)]  # the failed chunk's tokens came later
+    assert (tmp_path / "state" / "recycling-000.safetensors").exists()
+    assert w.records.read_live("p/1")["checkpointed"] >= 16
+    assert len(res["warnings"]) == 3 and all("No space left" in m for m in res["warnings"])
+    assert sum("retrying at the next checkpoint" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_worker_refuses_a_job_directory_other_than_the_drivers(model, tmp_path):
+    """A worker on another node that sees no (or another) job.json at the driver's path must not write there."""
+    (tmp_path / "job.json").write_text('{"created_at": 1.5}')
+    spec = dataclasses.replace(_spec(model, tmp_path), job_created_at=2.5)
+    with pytest.raises(ValueError, match="does not see the driver's job directory"):
+        GenerationWorker(spec, slot=0)
+    GenerationWorker(dataclasses.replace(spec, job_created_at=1.5), slot=0)

@@ -30,7 +30,9 @@ def test_bench_json_greedy(tiny_models):
     report = _bench(tiny_models["llama_gqa"])
     runs = {r["name"]: r for r in report["runs"]}
     assert BASE_RUNS <= set(runs)
-    assert report["identical"] is True and report["mismatches"] == []
+    assert report["identical"] is True and report["mismatches"] == [] and report["lossless"] is True
+    assert all(r["identical"] is True and r["first_diff"] is None and r["near_tie"] is None
+               for r in runs.values() if r["kind"] == "specrun")
     for r in runs.values():
         assert r["tokens"] == 12 and r["tokens_per_s"] > 0
     assert runs["specrun_ar"]["ratio_to_specrun_ar"] == 1.0
@@ -69,7 +71,7 @@ def test_proxy_model_script_smoke(tmp_path, capsys):
             "--heads-steps", "2", "--threads", str(torch.get_num_threads())]
     assert _load_proxy_script().main(argv) == 0
     assert "held-out loss" in capsys.readouterr().out
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model
 
     lm = load_model(str(out))
     text = "def f(x):\n    return x"
@@ -81,3 +83,25 @@ def test_proxy_model_script_smoke(tmp_path, capsys):
     # the heads it trained plug into the bench's heads ablation
     report = _bench(str(out), "--heads", str(out / "heads"), "--runs", "specrun_ar,heads_partial")
     assert [r["name"] for r in report["runs"]] == ["specrun_ar", "heads_partial"] and report["identical"] is True
+
+
+def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
+    from specrun.bench.report import annotate_divergences, summarize
+    from specrun.bench.runner import Measurement
+    from specrun.decoding.engine import Engine, EngineConfig
+    from specrun.decoding.neartie import ar_scores, check_divergence
+    from specrun.decoding.sampling import SamplingParams
+
+    lm = load_fixture("llama_gqa")
+    prompt = lm.tokenizer.encode("abc abc")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    runner_up = int(ar_scores(lm, prompt, ref[:4], params).topk(2).indices[1])
+    other = [*ref[:4], runner_up, *ref[5:]]
+    ms = [Measurement("specrun_ar", 0, ref, 1.0, stats={"mean_accepted": 1.0}),
+          Measurement("specrun_spec", 0, other, 0.5, stats={"mean_accepted": 2.0})]
+    report = summarize(ms, {"specrun_ar": "specrun", "specrun_spec": "specrun"})
+    annotate_divergences(report, ms, lambda r, t: check_divergence(lm, prompt, params, r, t))
+    spec = next(r for r in report["runs"] if r["name"] == "specrun_spec")
+    assert spec["identical"] is False and spec["first_diff"] == 4 and spec["gap"] > 0
+    assert spec["near_tie"] is False and report["lossless"] is False  # float64: a real gap is no tie

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from specrun.cli import main
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.models import load_model
+from specrun.models.loader import load_model
 from specrun.decoding.sampling import SamplingParams
 
 
@@ -68,3 +68,15 @@ def test_prompt_and_prompt_file_are_exclusive(tmp_path, tiny_models):
     res = CliRunner().invoke(main, ["generate", "--model", tiny_models["llama_mha"], "--prompt-file", str(f),
                                     "--max-tokens", "5", "--json"])
     assert res.exit_code == 0 and len(json.loads(res.stdout)["token_ids"]) <= 5
+
+
+def test_chat_flag_uses_the_chat_template(tiny_models):
+    path = tiny_models["llama_gqa"]
+    res = run("generate", "--model", path, "--chat", "--prompt", "hi", "--max-tokens", "8", "--json", "--draft", "none")
+    assert res.exit_code == 0, res.output
+    lm = load_model(path)
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                            add_generation_prompt=True)
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    ref = Engine(lm, EngineConfig(drafters=())).generate(ids, SamplingParams(max_tokens=8))
+    assert json.loads(res.stdout)["token_ids"] == ref.token_ids

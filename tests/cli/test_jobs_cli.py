@@ -1,14 +1,17 @@
 """`specrun submit/resume/status/export` end to end: the driver SIGKILLed mid-run then resumed, a worker process
-killed mid-generation, a second driver refused, different model/params refused. Drivers run as subprocesses.
+killed mid-generation, a second driver refused, different model/params refused, piped input hashed as read (other
+piped content refused), trust_remote_code never taken from job.json alone. Drivers run as subprocesses.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +47,7 @@ def reference(model, tmp_path_factory):
     import torch
 
     from specrun.decoding.engine import Engine
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model
     from specrun.decoding.sampling import SamplingParams
     from specrun.jobs.inputs import read_prompts
     from specrun.jobs.modelinfo import model_info
@@ -52,7 +55,7 @@ def reference(model, tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     (d / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in PROMPTS))
     info = model_info(model)
-    recs = read_prompts(d / "p.jsonl", info.tokenizer, info.max_context, info.vocab_size,
+    recs, _ = read_prompts(d / "p.jsonl", info.tokenizer, info.max_context, info.vocab_size,
                         SamplingParams(max_tokens=1000, temperature=1.0, seed=42, ignore_eos=True))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -195,6 +198,67 @@ def test_second_driver_and_changed_model_or_params_are_refused(model, tiny_model
                                   "--job-dir", str(job_dir), *FLAGS])
     assert r.exit_code != 0 and "model.fingerprint" in r.output
     assert {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")} == snapshot
+
+
+def _fifo(path: Path, data: bytes) -> Path:
+    """A named pipe fed by a writer thread: its first reader gets data, a second one (there must be none) nothing."""
+    os.mkfifo(path)
+
+    def feed():
+        for payload in (data, b""):
+            with open(path, "wb") as f:
+                f.write(payload)
+
+    threading.Thread(target=feed, daemon=True).start()
+    return path
+
+
+def test_piped_input_is_hashed_as_read_and_other_piped_content_is_refused(model, tmp_path):
+    from specrun.decoding.engine import EngineConfig
+    from specrun.decoding.sampling import SamplingParams
+    from specrun.jobs.modelinfo import model_info
+    from specrun.jobs.submit import JobSettings, prepare_job
+
+    def prepare(path):
+        return prepare_job(path, job_dir, model_info(model), JobSettings(), SamplingParams(max_tokens=8), EngineConfig())
+
+    job_dir = tmp_path / "job"
+    content = "".join(json.dumps(x) + "\n" for x in PROMPTS).encode()
+    job, created = prepare(_fifo(tmp_path / "in1", content))
+    assert created and job.manifest()["input"]["sha256"] == hashlib.sha256(content).hexdigest()
+    assert [p.id for p in job.prompts()] == [x["id"] for x in PROMPTS]
+    snapshot = {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")}
+
+    other = content.replace(b"Once upon", b"Twice upon")
+    r = CliRunner().invoke(main, ["submit", str(_fifo(tmp_path / "in2", other)), "--model", model, "--job-dir",
+                                  str(job_dir), "--max-tokens", "8", "--dtype", "float32"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"input.sha256: job has '{hashlib.sha256(content).hexdigest()}', now " \
+           f"'{hashlib.sha256(other).hexdigest()}'" in r.output
+    assert not prepare(_fifo(tmp_path / "in3", content))[1]  # the same content piped again is the same job
+    assert {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")} == snapshot
+
+
+def test_trust_remote_code_is_never_taken_from_job_json_alone(model, tiny_models, prompts_file, tmp_path):
+    from specrun.decoding.engine import EngineConfig
+    from specrun.decoding.sampling import SamplingParams
+    from specrun.jobs.modelinfo import model_info
+    from specrun.jobs.submit import JobSettings, prepare_job
+
+    job_dir = tmp_path / "job"
+    prepare_job(prompts_file, job_dir, model_info(model), JobSettings(trust_remote_code=True),
+                SamplingParams(max_tokens=8), EngineConfig())
+    snapshot = {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")}
+    for args in (["resume", job_dir],
+                 ["submit", prompts_file, "--model", model, "--job-dir", job_dir, "--max-tokens", "8", "--dtype",
+                  "float32"]):
+        r = CliRunner().invoke(main, [str(a) for a in args])
+        assert r.exit_code == 1 and "runs its model with --trust-remote-code" in r.output, r.output
+        assert "give --trust-remote-code again" in r.output
+    assert {f: f.stat().st_mtime_ns for f in job_dir.rglob("*")} == snapshot  # nothing started: no lock, no output
+    # with the flag the resume gets past that gate (and here stops at the next one: another model)
+    r = CliRunner().invoke(main, ["resume", str(job_dir), "--trust-remote-code", "--model", tiny_models["llama_gqa"]])
+    assert r.exit_code == 1 and "is not the job's model" in r.output, r.output
 
 
 def test_help_has_examples():

@@ -7,9 +7,9 @@ import torch
 from scipy import stats
 
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.models import load_model
+from specrun.models.loader import load_model
 from specrun.decoding.sampling import SamplingParams, process_logits
-from specrun.decoding.tiny import build_tiny_model
+from specrun.models.tiny import build_tiny_model
 
 FIXTURES = ["llama_mha", "llama_gqa", "qwen2", "qwen3", "mistral", "llama_bigvocab"]
 DRAFTS = [(), ("ngram",), ("recycling",), ("ngram", "recycling")]
@@ -121,8 +121,8 @@ def test_committed_kv_equals_ar_after_every_step(tiny_models):
     def check(_tokens):
         cache = spec.runner.cache
         n = cache.length
-        assert torch.allclose(cache.k[:, :n], ref_k[:, :n], rtol=0, atol=1e-10)
-        assert torch.allclose(cache.v[:, :n], ref_v[:, :n], rtol=0, atol=1e-10)
+        assert torch.allclose(cache.k[:, :, :n], ref_k[:, :, :n], rtol=0, atol=1e-10)
+        assert torch.allclose(cache.v[:, :, :n], ref_v[:, :, :n], rtol=0, atol=1e-10)
         checked.append(n)
         return False
 

@@ -106,3 +106,13 @@ def test_sampler_matches_processed_distribution(penalty):
     assert counts[~kept].sum() == 0
     res = stats.chisquare(counts[kept].numpy(), (probs[kept] * N).numpy())
     assert res.pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kw, fault", [
+    ({"temperature": float("inf")}, "finite"), ({"penalty": float("nan")}, "finite"),
+    ({"temperature": 1e-320}, "greedy"), ({"top_k": 2**63}, "top_k"), ({"penalty_window": 10**23}, "penalty_window"),
+    ({"max_tokens": 2**40}, "max_tokens"), ({"seed": -1}, "seed"),
+])
+def test_params_refuse_values_that_would_break_sampling(kw, fault):
+    with pytest.raises(ValueError, match=fault):
+        SamplingParams(**kw)

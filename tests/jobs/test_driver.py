@@ -1,27 +1,37 @@
 """The driver on a local Ray (one per module): 2 actors == `specrun generate`, application errors, corrupt chunks,
-Ctrl-C checkpoint-and-stop then resume; every prompt's output row exists exactly once.
+Ctrl-C (and SIGTERM, SIGHUP) checkpoint-and-stop then resume; every prompt's output row exists exactly once.
+Deadlines: a missing GPU or too many actors fail at once, an actor that cannot be placed (at start, or to replace
+a lost one) fails within place_timeout_s naming the resources; the job stays resumable.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.driver import EXIT_FAILED, EXIT_INTERRUPTED, RunOptions, _Interrupts, run_job
+from specrun.jobs.export import finished_table
+from specrun.jobs.jobdir import JobError
 from specrun.jobs.modelinfo import model_info
-from specrun.jobs.status import job_status
+from specrun.jobs.status import job_status, render_status
 from specrun.jobs.submit import JobSettings, prepare_job
 from specrun.storage.atomic import atomic_write_table
+from specrun.storage.chunks import read_progress
 from specrun.storage.schemas import PROMPTS
 
 ray = pytest.importorskip("ray")
@@ -42,11 +52,11 @@ def model(tiny_models):
     return tiny_models["llama_mha"]
 
 
-def _job(tmp_path, model, lines, every=16, **params):
+def _job(tmp_path, model, lines, every=16, device="cpu", **params):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    settings = JobSettings(checkpoint_every=every)
+    settings = JobSettings(device=device, checkpoint_every=every)
     job, _ = prepare_job(path, tmp_path / "job", model_info(model), settings, SamplingParams(**params), EngineConfig())
     return job
 
@@ -133,7 +143,7 @@ def test_application_error_fails_only_that_prompt(tmp_path, model):
 def _reference(job, model) -> dict[str, list[int]]:
     """Uninterrupted generation of every prompt of the job, in-process (no Ray)."""
     from specrun.decoding.engine import Engine
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model
 
     import torch
 
@@ -175,9 +185,159 @@ def test_ctrl_c_checkpoints_stops_and_resume_finishes_identically(tmp_path, mode
 
 def test_second_ctrl_c_stops_at_once():
     with _Interrupts() as intr:
-        assert signal.getsignal(signal.SIGINT) == intr._handle
-        intr._handle(signal.SIGINT, None)
-        assert intr.requested
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            assert signal.getsignal(s) == intr._handle
+        intr._handle(signal.SIGTERM, None)
+        assert intr.requested and intr.name == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):
             intr._handle(signal.SIGINT, None)
-    assert signal.getsignal(signal.SIGINT) != intr._handle
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        assert signal.getsignal(s) != intr._handle
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the driver", "SIGHUP to its process group"])
+def test_sigterm_or_hangup_checkpoints_running_prompts_and_resume_is_identical(tmp_path, model, how):
+    """The driver runs as `specrun resume` in a subprocess: SIGTERM (as from `timeout` or a preemption) goes to it
+    alone, on the module's Ray; SIGHUP (a closed terminal) to its whole process group, its own local Ray included."""
+    lines = [{"id": "a", "prompt": "first"}, {"id": "b", "prompt": "second"}]
+    job = _job(tmp_path, model, lines, every=32, max_tokens=400, temperature=1.0, seed=3, ignore_eos=True)
+    sig = signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGHUP
+    address = ["--address", ray.get_runtime_context().gcs_address] if sig == signal.SIGTERM else []
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    log = tmp_path / "driver.log"
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", "from specrun.cli import main; main()", "resume", str(job.root),
+                          "--actors", "2", *address], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((job.root / "progress").glob("*/chunk-*")):
+            assert time.monotonic() < deadline and p.poll() is None, "no checkpoint within 180 s"
+            time.sleep(0.02)
+        os.kill(p.pid, sig) if sig == signal.SIGTERM else os.killpg(p.pid, sig)
+        t1 = time.monotonic()
+        rc = p.wait(timeout=120)
+        t2 = time.monotonic()
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # what is left of a local Ray we started
+        except ProcessLookupError:
+            pass
+        p.wait()
+    text = log.read_text()
+    assert rc == 128 + sig, text
+    assert f"{sig.name}: checkpointing" in text and "Resume with" in text
+    assert not job.lock_path.exists()
+    running = int(text.split(f"{sig.name}: checkpointing ")[1].split()[0])
+    stopped_at = {r["id"]: r["tokens"] for r in job_status(job)["prompts"]}
+    assert running >= 1 and sum(n > 0 for n in stopped_at.values()) >= running  # each stopped mid-way, checkpointed
+    assert "worker lost" not in text and "every generated token is checkpointed" in text
+    print(f"{how}: sent at {t1 - t0:.1f}s, driver exited {t2 - t1:.1f}s later with {rc}; checkpointed {stopped_at}")
+    if sig == signal.SIGHUP:
+        return  # resuming after a stop is the same for every signal: checked once, below
+
+    assert run_job(job, QUIET).exit_code == 0
+    out, ref = _outputs(job), _reference(job, model)
+    for pid in ("a", "b"):
+        assert out[pid]["token_ids"] == ref[pid]
+        assert out[pid]["resumed_tokens"] >= stopped_at[pid]  # the stop flushed every token; none regenerated
+
+
+def test_no_gpu_and_too_many_actors_fail_at_once_naming_the_resource(tmp_path, model):
+    lines = [{"id": str(i), "prompt": "x"} for i in range(int(ray.cluster_resources()["CPU"]) + 1)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    t0 = time.monotonic()
+    r = CliRunner().invoke(main, ["submit", str(prompts), "--max-tokens", "4", "--device", "cuda", "--model", model,
+                                  "--job-dir", str(tmp_path / "cuda"), "-q"])
+    t_cuda = time.monotonic() - t0
+    assert r.exit_code == 1 and "no GPU in the Ray cluster: --device cuda needs 1 GPU per actor" in r.output
+    assert "cluster has 0" in r.output and "specrun resume" in r.output
+
+    n = len(lines)
+    job = _job(tmp_path / "many", model, lines, max_tokens=4)
+    t0 = time.monotonic()
+    with pytest.raises(JobError, match=rf"--actors {n} need\(s\) {n} CPUs \(1 per actor\), the Ray cluster "
+                                       rf"has {n - 1}"):
+        run_job(job, RunOptions(actors=n, quiet=True))
+    t_actors = time.monotonic() - t0
+    print(f"--device cuda failed in {t_cuda:.2f}s, --actors {n} in {t_actors:.2f}s")
+    assert t_cuda < 30 and t_actors < 30
+    assert not job.lock_path.exists() and job_status(job)["totals"]["pending"] == n
+
+
+def test_an_actor_that_cannot_be_placed_fails_within_the_deadline(tmp_path, model, monkeypatch):
+    """Past the up-front check (here: skipped), a GPU actor on a cluster without GPUs is never placed."""
+    monkeypatch.setattr("specrun.actors.pool.resource_shortfall", lambda *a: None)
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "x"}], device="cuda", max_tokens=4)
+    t0 = time.monotonic()
+    with pytest.raises(JobError) as e:
+        run_job(job, RunOptions(quiet=True, place_timeout_s=2))
+    took = time.monotonic() - t0
+    print(f"placement deadline of 2 s: failed after {took:.1f}s")
+    assert "worker 0 could not be placed on the Ray cluster within 2 s: each needs 1 CPU and 1 GPU" in str(e.value)
+    assert "0 GPU (0 free)" in str(e.value) and took < 30
+    assert not job.lock_path.exists()
+
+
+def test_a_lost_worker_whose_replacement_cannot_be_placed_fails_resumably(tmp_path, model, monkeypatch):
+    """The worker process dies mid-prompt; its replacement needs a GPU the cluster lacks (as when the lost node was
+    the only one with the resource): the run ends with an error naming it, and a resume finishes identically."""
+    import specrun.actors.pool as pool
+
+    real, launches = pool.start_worker, []
+
+    def start_worker(spec, slot, gpus):
+        launches.append(slot)
+        return real(spec, slot, 1.0 if len(launches) > 1 else gpus)
+
+    monkeypatch.setattr(pool, "start_worker", start_worker)
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "lost"}], every=16, max_tokens=160, temperature=1.0, seed=2,
+               ignore_eos=True)
+
+    def kill_worker_after_a_checkpoint():
+        live = job.root / "live" / f"{job.progress_dir('a').name}.json"
+        while True:
+            try:
+                info = json.loads(live.read_text())
+                if info["checkpointed"] >= 16:
+                    return os.kill(info["pid"], signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+
+    threading.Thread(target=kill_worker_after_a_checkpoint, daemon=True).start()
+    with pytest.raises(JobError, match="replacement for lost worker 0 could not be placed on the Ray cluster within "
+                                       "8 s: each needs 1 CPU; the Ray cluster has .* 0 GPU"):
+        run_job(job, RunOptions(quiet=True, place_timeout_s=8))
+    assert launches == [0, 0] and not job.lock_path.exists()
+    saved = job_status(job)["prompts"][0]["tokens"]
+    assert saved >= 16
+
+    monkeypatch.setattr(pool, "start_worker", real)
+    assert run_job(job, QUIET).exit_code == 0
+    row = _outputs(job)["a"]
+    assert row["token_ids"] == _reference(job, model)["a"] and row["resumed_tokens"] >= saved
+
+
+def test_done_marker_without_its_output_shows_repair_and_resume_regenerates_it(tmp_path, model):
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}], every=8,
+               max_tokens=20, ignore_eos=True)
+    assert run_job(job, QUIET).exit_code == 0
+    ref = _outputs(job)
+    job.records.output_path("a").unlink()  # e.g. lost by a storage fault after the marker was written
+    status = job_status(job)
+    st = {r["id"]: r for r in status["prompts"]}
+    assert st["a"]["state"] == "repair" and "missing" in st["a"]["error"] and st["b"]["state"] == "done"
+    screen = io.StringIO()
+    render_status(status, Console(file=screen, width=150))
+    assert "1 need repair" in screen.getvalue()
+    table, missing = finished_table(job)
+    assert table.column("id").to_pylist() == ["b"] and missing == 1
+
+    saved = len(read_progress(job.progress_dir("a"), quarantine=False))
+    assert run_job(job, QUIET).exit_code == 0
+    out = _outputs(job)
+    assert out["a"]["token_ids"] == ref["a"]["token_ids"] and out["a"]["resumed_tokens"] == saved >= 16
+    assert job_status(job)["totals"]["done"] == 2

@@ -64,6 +64,12 @@ def test_create_then_same_settings_reuse_then_differences_refused(infos, prompts
     assert {p: p.stat().st_mtime_ns for p in job_dir.rglob("*")} == before  # refusals changed nothing
 
 
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0.0])
+def test_job_settings_need_a_finite_positive_checkpoint_interval(seconds):
+    with pytest.raises(ValueError, match="checkpoint_seconds=.* must be a finite number > 0"):
+        JobSettings(checkpoint_seconds=seconds)
+
+
 def test_non_job_directory_is_not_overwritten(infos, prompts, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "mine.txt").write_text("x")

@@ -95,22 +95,53 @@ def test_chunk_whose_name_disagrees_with_its_content_is_invalid(tmp_path):
 
 def test_regenerated_chunks_overlapping_old_ones_read_consistently(tmp_path):
     write_chunk(tmp_path, 0, [1, 2, 3])
+    write_chunk(tmp_path, 3, [4, 5, 6])
+    write_chunk(tmp_path, 3, [4, 5, 6, 7])  # another run checkpointed at other boundaries: same tokens
+    write_chunk(tmp_path, 7, [8])
+    assert read_progress(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert not list(tmp_path.glob("*.stale")) and not list(tmp_path.glob("*.corrupt"))
+
+
+def test_chunks_after_a_gap_are_set_aside_not_stitched_to_a_regenerated_run(tmp_path):
+    write_chunk(tmp_path, 0, [1, 2, 3])
     bad = write_chunk(tmp_path, 3, [4, 5, 6])
-    write_chunk(tmp_path, 6, [7, 8, 9])
+    old = write_chunk(tmp_path, 6, [7, 8, 9])
     bad.write_bytes(b"garbage")
     assert read_progress(tmp_path) == [1, 2, 3]
-    # the regenerated run checkpoints at other boundaries and overlaps the old chunk 6-9
-    write_chunk(tmp_path, 3, [4, 5, 6, 7])
-    assert read_progress(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert (tmp_path / (old.name + ".stale")).exists() and not old.exists()
+    # the regenerated run (here: other tokens, e.g. resumed on another device) must not get the old 8, 9 appended
+    write_chunk(tmp_path, 3, [4, 5, 60, 70])
+    assert read_progress(tmp_path) == [1, 2, 3, 4, 5, 60, 70]
 
 
-def test_write_chunk_never_rewrites(tmp_path):
-    p = write_chunk(tmp_path, 0, [1])
-    mtime = p.stat().st_mtime_ns
-    write_chunk(tmp_path, 0, [1])
-    assert p.stat().st_mtime_ns == mtime
+def test_chunk_disagreeing_with_an_overlapping_one_is_set_aside(tmp_path):
+    write_chunk(tmp_path, 0, [1, 2, 3])
+    write_chunk(tmp_path, 3, [4, 5, 6])
+    other = write_chunk(tmp_path, 4, [5, 99, 7, 8])  # overlaps 4-6 with other tokens: another run's
+    after = write_chunk(tmp_path, 8, [9])  # continues the other run
+    assert read_progress(tmp_path, quarantine=False) == [1, 2, 3, 4, 5, 6]
+    assert other.exists() and after.exists()  # quarantine=False touches nothing
+    assert read_progress(tmp_path) == [1, 2, 3, 4, 5, 6]
+    assert sorted(f.name for f in tmp_path.glob("*.stale")) == [other.name + ".stale", after.name + ".stale"]
+
+
+def test_write_replaces_a_stale_chunk_at_the_same_span(tmp_path):
+    write_chunk(tmp_path, 0, [1, 2, 3])
+    write_chunk(tmp_path, 3, [4, 5, 6])  # left by an earlier run
+    write_chunk(tmp_path, 3, [4, 50, 60])  # the run that resumed at 3 made other tokens
+    write_chunk(tmp_path, 6, [70])
+    assert read_progress(tmp_path) == [1, 2, 3, 4, 50, 60, 70]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [chunk_name(0, 3), chunk_name(3, 6), chunk_name(6, 7)]
     with pytest.raises(ValueError):
         write_chunk(tmp_path, 1, [])
+
+
+def test_leftover_temporaries_of_a_killed_writer_are_removed(tmp_path):
+    write_chunk(tmp_path, 0, [1])
+    tmp = tmp_path / f".{chunk_name(1, 2)}.0123abcd.tmp"
+    tmp.write_bytes(b"half a chunk")
+    assert read_progress(tmp_path, quarantine=False) == [1] and tmp.exists()
+    assert read_progress(tmp_path) == [1] and not tmp.exists()
 
 
 def test_matrix_snapshot_round_trip_and_fingerprint_check(tmp_path):
@@ -145,3 +176,20 @@ def test_records_output_then_marker_and_repair(tmp_path):
     assert not rec.is_done("a/b")
     assert rec.repair_marker("a/b") and rec.is_done("a/b")
     assert not rec.repair_marker("never-ran")
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_done_marker_without_a_readable_output_is_dropped_for_regeneration(tmp_path, damage):
+    rec = Records(tmp_path)
+    for pid in ("a", "b"):
+        rec.write_output(output_row(pid, [1, 2], "xy", "length", {}, prompt_tokens=1, resumed_tokens=0, attempts=1))
+    out = rec.output_path("a")
+    if damage == "missing":
+        out.unlink()
+    else:
+        out.write_bytes(out.read_bytes()[:-40])
+    assert "a" not in rec.read_outputs().column("id").to_pylist()  # export skips it instead of crashing
+    assert rec.output_problem("a") and rec.output_problem("b") is None
+    assert not rec.repair_marker("a") and not rec.is_done("a")  # resume regenerates it
+    assert rec.repair_marker("b") and rec.is_done("b")
+    assert out.with_name(out.name + ".corrupt").exists() == (damage == "truncated")

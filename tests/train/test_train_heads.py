@@ -172,7 +172,7 @@ def test_cli_trains_saves_and_reports(tiny_models, data_file, tmp_path):
     assert "step 6/6  loss" in res.output and "held-out top-1 accuracy" in res.output and "head3" in res.output
     meta = json.loads((out / CONFIG_FILE).read_text())
     assert meta["gamma"] == 3 and set(meta["metrics"]["top1_accuracy"]) == {"l0", "head1", "head2", "head3"}
-    from specrun.decoding.models import load_model
+    from specrun.models.loader import load_model
 
     assert load_heads(out, load_model(tiny_models["llama_gqa"])).gamma == 3
     res = CliRunner().invoke(main, ["train-heads", "--model", tiny_models["llama_gqa"], "--data",

@@ -6,13 +6,12 @@ build_tiny_model(out_dir, ...) -> Path writes a loadable model directory; demo_m
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from specrun.models.cache import cached_dir
 
 # Token ids: byte b has id b (0..255); the special tokens follow.
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -139,31 +138,8 @@ def build_tiny_model(out_dir, *, arch: str = "llama", hidden: int = 64, layers: 
     return out
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("SPECRUN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specrun"
-
-
 def demo_model_dir() -> Path:
-    """The demo model's directory ($SPECRUN_CACHE or ~/.cache/specrun, subdir demo-v1), built once if missing.
-
-    Built in a temporary sibling directory and renamed into place, so concurrent callers (Ray actors) are safe.
-    """
-    root = _cache_root()
-    final = root / DEMO_NAME
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.tmp-", dir=root))
-    try:
-        build_tiny_model(tmp, arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, tie_embeddings=False,
-                         seed=20240601, max_position_embeddings=131072)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # lost no race: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """The demo model's directory (demo-v1 in the specrun cache), built once if missing."""
+    return cached_dir(DEMO_NAME, lambda tmp: build_tiny_model(
+        tmp, arch="llama", hidden=128, layers=4, heads=4, kv_heads=2, tie_embeddings=False, seed=20240601,
+        max_position_embeddings=131072))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specrun.decoding.models import decode_tokens, load_model, model_fingerprint
-from specrun.decoding.tiny import BOS_ID, EOS_ID, TOKENIZER_SIZE, build_tiny_model, demo_model_dir
+from specrun.models.loader import decode_tokens, load_model, model_fingerprint
+from specrun.models.tiny import BOS_ID, EOS_ID, TOKENIZER_SIZE, build_tiny_model, demo_model_dir
 from tests.conftest import TINY_SPECS
 
 TEXTS = ["Once upon a time", "héllo wörld 日本語 🎉\n\ttabs  and  spaces", "literal <s> and </s> stay text", ""]
@@ -180,3 +180,25 @@ def test_fingerprint_changes_with_weights_or_config(tmp_path):
     data[-1] ^= 1
     w.write_bytes(bytes(data))
     assert model_fingerprint(d) != after_cfg
+
+
+def test_auto_dtype_follows_the_checkpoint_and_the_cpu(tiny_models, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from specrun.models import loader
+
+    assert loader.resolve_dtype("auto", tiny_models["llama_gqa"], "cpu") == "float32"  # float32 checkpoint
+    assert loader.resolve_dtype("float64", tiny_models["llama_gqa"], "cpu") == "float64"  # explicit wins
+    bf = tmp_path / "bf"
+    shutil.copytree(tiny_models["llama_gqa"], bf)
+    cfg = json.loads((bf / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (bf / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert loader.resolve_dtype("auto", str(bf), "cpu") == "bfloat16"
+    assert loader.resolve_dtype("auto", str(bf), "cuda") == "bfloat16"
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
+    assert loader.resolve_dtype("auto", str(bf), "cpu") == "float32"  # no native bf16: float32 is faster
+    with pytest.raises(ValueError, match="does not exist"):
+        loader.resolve_dtype("auto", str(tmp_path / "nope"), "cpu")

@@ -1,4 +1,4 @@
-"""Load a local HF causal-LM directory (or the built-in demo) into a LoadedModel: model, tokenizer, eos ids, vocab.
+"""Load a local HF causal-LM directory (or the built-in demo or smollm2) into a LoadedModel: model, tokenizer, eos ids.
 
 load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens(tokenizer, ids) -> text (skips ids the tokenizer lacks).
 """
@@ -6,13 +6,17 @@ load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens(tokenizer, 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specrun.models.cache import is_cached
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEMO = "demo"
+AUTO_DTYPE = "auto"
 FINGERPRINT_CHUNK = 1 << 20  # bytes read from the start and the end of each weight file
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # Small files that change what the model outputs (eos ids, tokenization): hashed whole.
@@ -40,6 +44,44 @@ def parse_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def cpu_has_bf16() -> bool:
+    """Native bfloat16 dot products (AVX512-BF16 or AMX): there bf16 matmuls beat float32 (~3x measured on EPYC)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype a model directory declares (config.json `dtype`, or `torch_dtype`); float32 when it declares none."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    declared = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return declared if declared in DTYPES else "float32"
+
+
+def default_dtype(model_dir: Path, device: str) -> str:
+    """What `--dtype auto` means: the checkpoint's own dtype, where this device computes it natively.
+
+    A bfloat16/float16 checkpoint runs in bfloat16 on CPUs with native bf16 (else float32) and as declared on CUDA;
+    float32 checkpoints (tiny test models, the proxy) stay float32. Reduced precision is lossless up to numerical near
+    ties only (DESIGN section 2; `specrun bench` reports them).
+    """
+    declared = checkpoint_dtype(model_dir)
+    if declared not in ("bfloat16", "float16") or device.startswith("cuda"):
+        return declared
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def resolve_dtype(dtype: str, model: str, device: str) -> str:
+    """`--dtype` value -> a concrete dtype name; ValueError (from resolve_model_dir) naming a bad model argument."""
+    return default_dtype(resolve_model_dir(model)[0], device) if dtype == AUTO_DTYPE else dtype
+
+
 def parse_device(device: str) -> torch.device:
     """'cpu' | 'cuda' | 'cuda:N' -> torch.device; ValueError naming the value if unknown or CUDA is unavailable."""
     try:
@@ -57,29 +99,27 @@ def parse_device(device: str) -> torch.device:
 
 
 def resolve_model_dir(path: str) -> tuple[Path, bool]:
-    """(directory, is_demo) for a model argument; builds the demo on first use; ValueError naming a bad path."""
-    from specrun.decoding.tiny import demo_model_dir
+    """(directory, is_demo) for a model argument; builds the demo (or converts smollm2) on first use.
+
+    ValueError naming a bad path, or the pip command when smollm2's package is missing.
+    """
+    from specrun.models.smollm2 import NAME as SMOLLM2, smollm2_dir
+    from specrun.models.tiny import DEMO_NAME, demo_model_dir
 
     if path == DEMO:
         return demo_model_dir(), True
+    if path == SMOLLM2:
+        return smollm2_dir(), False
     p = Path(path).expanduser()
     if not p.exists():
-        raise ValueError(f"model path {path!r} does not exist (give a local HF model directory, or 'demo')")
+        raise ValueError(f"model path {path!r} does not exist (give a local HF model directory, 'smollm2' or 'demo')")
     if not p.is_dir():
-        raise ValueError(f"model path {path!r} is not a directory (give a local HF model directory, or 'demo')")
+        raise ValueError(f"model path {path!r} is not a directory (give a local HF model directory, 'smollm2' or "
+                         f"'demo')")
     if not (p / "config.json").is_file():
         raise ValueError(f"model path {path!r} has no config.json; is it a Hugging Face model directory?")
     p = p.resolve()
-    return p, _is_cached_demo(p)
-
-
-def _is_cached_demo(p: Path) -> bool:
-    from specrun.decoding.tiny import DEMO_NAME, _cache_root
-
-    try:
-        return p == (_cache_root() / DEMO_NAME).resolve()
-    except OSError:
-        return False
+    return p, is_cached(p, DEMO_NAME)
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -132,8 +172,13 @@ def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specrun.decoding.tiny import quiet_progress_bars
+    from specrun.models.tiny import quiet_progress_bars
 
+    from transformers import AutoConfig
+
+    from specrun.decoding.decoder import check_supported
+
+    check_supported(AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     with quiet_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(

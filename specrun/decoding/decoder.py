@@ -1,0 +1,130 @@
+"""A lean decoder forward for Llama-family models (llama, mistral, qwen2, qwen3) over our KV cache and attention.
+
+Fused QKV and gate-up weights (one GEMV each instead of three and two: a memory-bound step reads the same bytes in
+fewer, larger calls), the HF model's own embedding, norm, rotary and activation modules; unsupported features refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specrun.decoding.attention import ForwardContext, attention
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# config fields that change the computation in ways this forward does not implement: (field, applies(value))
+_REFUSED = (
+    ("final_logit_softcapping", lambda v: v is not None),
+    ("attn_logit_softcapping", lambda v: v is not None),
+    ("logit_scale", lambda v: v is not None and v != 1.0),
+    ("logits_scaling", lambda v: v is not None and v != 1.0),
+)
+
+
+def check_supported(config) -> None:
+    """ValueError naming the architecture or feature that our forward would silently get wrong."""
+    arch = getattr(config, "model_type", "?")
+    if arch not in SUPPORTED:
+        raise ValueError(f"model type {arch!r} is not supported; specrun runs {', '.join(SUPPORTED)} models")
+    for name, applies in _REFUSED:
+        if applies(getattr(config, name, None)):
+            raise ValueError(f"{arch} config sets {name}={getattr(config, name)!r}, which specrun does not implement")
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", arch == "mistral")
+    if uses_window and window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"{arch} config uses sliding-window attention (sliding_window={window}), which specrun does "
+                         f"not implement")
+    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+        raise ValueError(f"{arch} config has non-full attention layers ({sorted(set(config.layer_types))}), which "
+                         f"specrun does not implement")
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum N, K] weight (and bias); the modules' weights become views of it, so memory is not doubled."""
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row : row + n]
+        if bias is not None:
+            m.bias.data = bias[row : row + n]
+        row += n
+    return weight, bias
+
+
+@dataclass
+class _Layer:
+    ln1: torch.nn.Module
+    ln2: torch.nn.Module
+    qkv_w: torch.Tensor  # [Hq*D + 2*Hkv*D, H]
+    qkv_b: torch.Tensor | None
+    o: torch.nn.Linear
+    gate_up_w: torch.Tensor  # [2I, H]
+    gate_up_b: torch.Tensor | None
+    down: torch.nn.Linear
+    act: torch.nn.Module
+    q_norm: torch.nn.Module | None  # qwen3: RMSNorm over each head's D before RoPE
+    k_norm: torch.nn.Module | None
+    scaling: float
+
+    @classmethod
+    def from_hf(cls, layer) -> _Layer:
+        att, mlp = layer.self_attn, layer.mlp
+        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj])
+        gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
+        return cls(layer.input_layernorm, layer.post_attention_layernorm, qkv_w, qkv_b, att.o_proj, gu_w, gu_b,
+                   mlp.down_proj, mlp.act_fn, getattr(att, "q_norm", None), getattr(att, "k_norm", None), att.scaling)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """# x: [T, Hx, D], cos/sin: [T, 1, D] -> [T, Hx, D] (rotate-half convention, as HF)"""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class FusedDecoder:
+    @classmethod
+    def of(cls, model) -> FusedDecoder:
+        """The model's decoder, built once per model object (fusing re-points the model's weights at fused storage)."""
+        dec = getattr(model, "_specrun_decoder", None)
+        if dec is None:
+            dec = cls(model)
+            model._specrun_decoder = dec
+        return dec
+
+    def __init__(self, model):
+        cfg = model.config
+        check_supported(cfg)
+        base = model.get_decoder()
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.layers = [_Layer.from_hf(layer) for layer in base.layers[: cfg.num_hidden_layers]]
+        self.n_q = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.inter = self.layers[0].gate_up_w.shape[0] // 2
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """# tokens, positions: [T] long -> hidden: [T, H] (after the final norm)"""
+        x = self.embed(tokens)  # [T, H]
+        cos, sin = self.rotary(x[None], positions[None])  # [1, T, D] each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
+        T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(L.ln1(x), L.qkv_w, L.qkv_b)  # [T, (nq + 2 nkv) D]
+            q = qkv[:, : nq * D].view(T, nq, D)
+            k = qkv[:, nq * D : (nq + nkv) * D].view(T, nkv, D)
+            v = qkv[:, (nq + nkv) * D :].view(T, nkv, D)
+            if L.q_norm is not None:
+                q, k = L.q_norm(q), L.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            out = attention(ctx, i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                            L.scaling)  # [1, T, Hq, D]
+            x = x + L.o(out.reshape(T, nq * D))
+            gu = F.linear(L.ln2(x), L.gate_up_w, L.gate_up_b)  # [T, 2I]
+            x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
+        return self.norm(x)

@@ -1,0 +1,42 @@
+"""Near-tie check: AR's scores are recomputed exactly (AR's token is their argmax) and a divergence gets its true gap."""
+
+import pytest
+import torch
+
+from specrun.decoding import neartie
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.neartie import ar_scores, check_divergence
+from specrun.decoding.sampling import SamplingParams
+
+SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_k=50, min_p=0.02, penalty=1.3, penalty_window=7,
+                         seed=5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, ignore_eos=True), SAMPLED], ids=["greedy", "sampled"])
+def test_recomputed_scores_pick_every_ar_token(load_fixture, params, dtype):
+    lm = load_fixture("llama_gqa", dtype=dtype)  # bf16 too: the replay is AR's own computation, bit for bit
+    prompt = lm.tokenizer.encode("the cat sat on the mat")
+    out = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    for i in range(0, len(out), 7):
+        assert int(ar_scores(lm, prompt, out[:i], params).argmax()) == out[i]
+
+
+def test_divergence_reports_the_gap_between_the_two_tokens(load_fixture, monkeypatch):
+    lm = load_fixture("llama_mha")
+    prompt = lm.tokenizer.encode("abc abc")
+    params = SAMPLED
+    ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    assert check_divergence(lm, prompt, params, ref, list(ref)) is None
+    i = 11
+    scores = ar_scores(lm, prompt, ref[:i], params)
+    runner_up = int(scores.topk(2).indices[1])
+    other = [*ref[:i], runner_up, *ref[i + 1 :]]
+    d = check_divergence(lm, prompt, params, ref, other)
+    assert (d.first_diff, d.reference_token, d.other_token) == (i, ref[i], runner_up)
+    assert d.gap == pytest.approx(float(scores[ref[i]] - scores[runner_up])) and d.gap > 0
+    assert d.near_tie == (d.gap <= d.tolerance)
+    monkeypatch.setitem(neartie.LOGIT_TOLERANCE, torch.float64, d.gap * params.temperature * 2)
+    assert check_divergence(lm, prompt, params, ref, other).near_tie  # within tolerance: reported as a near tie
+    short = check_divergence(lm, prompt, params, ref, ref[:5])
+    assert short.first_diff == 5 and not short.near_tie  # stopping early is never a tie
