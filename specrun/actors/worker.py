@@ -40,6 +40,7 @@ class WorkerSpec:
     hot_start: tuple[str, ...] = ()  # other job dirs whose matrix snapshots may warm a cold worker
     threads: int = 0  # torch CPU threads (0 = leave as is)
     job_created_at: float | None = None  # the manifest's created_at: proves a worker sees the driver's job directory
+    snapshot_seconds: float = 60.0  # the recycling matrix is written at most this often (a stop always writes it)
 
 
 def engine_config(d: dict):
@@ -60,6 +61,7 @@ class GenerationWorker:
         self.records = Records(self.root)
         self.stop = threading.Event()
         self.lm = self.engine = self.hot_source = None
+        self.last_snapshot = float("-inf")
         if load:
             self.load()
 
@@ -119,6 +121,14 @@ class GenerationWorker:
     def info(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source}
 
+    def save_state(self) -> None:
+        """Write the recycling matrix snapshot now (OSError when that fails); the driver calls it at the end."""
+        rec = self.engine.recycling if self.engine is not None else None
+        if rec is not None:
+            save_matrix(self.root / "state", self.slot, {k: v.numpy() for k, v in rec.state_dict().items()},
+                        self.spec.fingerprint)
+        self.last_snapshot = time.monotonic()
+
     def request_stop(self) -> None:
         """Checkpoint and return at the next step (called from another thread while generate runs)."""
         self.stop.set()
@@ -127,7 +137,7 @@ class GenerationWorker:
         """task: id, input_ids, params (SamplingParams fields), resume_from -> result dict (see driver); "warnings"
         lists the best-effort writes that failed (and were retried) on the way."""
         from specrun.decoding.sampling import SamplingParams
-        from specrun.models.loader import decode_tokens
+        from specrun.models.loader import output_text
 
         self.load()
         params = SamplingParams(**task["params"])
@@ -142,7 +152,8 @@ class GenerationWorker:
         ckpt.snapshot()
         return {"id": task["id"], "stopped": False, "token_ids": result.token_ids,
                 "finish_reason": result.finish_reason, "stats": result.stats,
-                "text": decode_tokens(self.lm.tokenizer, result.token_ids), "resumed_tokens": len(resume),
+                "text": output_text(self.lm.tokenizer, result.token_ids, result.finish_reason, params),
+                "resumed_tokens": len(resume),
                 "warnings": ckpt.report()}
 
 
@@ -204,14 +215,12 @@ class _Checkpointer:
         rest = all_tokens[self.start:]
         if rest:
             self._write(rest)
-        self.snapshot()
+        self.snapshot(force=True)
 
-    def snapshot(self) -> None:
-        rec = self.w.engine.recycling
-        if rec is not None:
-            arrays = {k: v.numpy() for k, v in rec.state_dict().items()}
-            self.best_effort("recycling matrix", save_matrix, self.w.root / "state", self.w.slot, arrays,
-                             self.w.spec.fingerprint)
+    def snapshot(self, force: bool = False) -> None:
+        """The recycling matrix, at most every spec.snapshot_seconds (not at every checkpoint: it can be MBs)."""
+        if force or time.monotonic() - self.w.last_snapshot >= self.w.spec.snapshot_seconds:
+            self.best_effort("recycling matrix", self.w.save_state)
 
     def _live(self, now: float, force: bool = False) -> None:
         if not force and now - self.last_live < LIVE_EVERY_S:

@@ -66,6 +66,10 @@ def _run_row(name: str, kind: str, ms: list[Measurement], by_name: dict) -> dict
             vals = [s[key] for s in st if isinstance(s.get(key), (int, float))]
             row[key] = _median(vals)
         row["tokens_by_drafter"] = st[0].get("tokens_by_drafter", {})
+        row["by_length"] = st[0].get("by_length", [])  # accepted/step and tokens per drafter per 512 generated
+        for key in ("expected_acceptance", "observed_acceptance"):  # sampled: drafted mass vs accepted, per node
+            vals = [s[key] for s in st if isinstance(s.get(key), (int, float))]
+            row[key] = _median(vals)
         row["phase_fraction"], row["outside_forward_fraction"], row["prefill_seconds"] = _phases(ms)
     else:
         row["mean_accepted"] = None
@@ -187,6 +191,21 @@ def render(report: dict, console) -> None:
             p.add_row(r["name"], *(_f(r["phase_fraction"].get(c), "{:.1%}") for c in cols),
                       _f(r.get("prefill_seconds"), "{:.3f}"))
         console.print(p)
+    by_len = [r for r in spec if r.get("by_length")]
+    if by_len:
+        bt = Table(title="accepted tokens per step by generated length (first repeat)")
+        bt.add_column("run")
+        starts = sorted({b["from"] for r in by_len for b in r["by_length"]})
+        for a in starts:
+            bt.add_column(f"{a}+", justify="right")
+        for r in by_len:
+            acc = {b["from"]: b["mean_accepted"] for b in r["by_length"]}
+            bt.add_row(r["name"], *(_f(acc.get(a)) for a in starts))
+        console.print(bt)
+    sampled = [r for r in spec if r.get("expected_acceptance") is not None]
+    for r in sampled:
+        console.print(f"{r['name']}: drafted children's probability mass {r['expected_acceptance']:.3f} vs observed "
+                      f"acceptance {r['observed_acceptance']:.3f} per path node (must agree)")
     if report.get("lengths"):
         lt = Table(title="by generated length: tok/s to reach it (x hf_ar, x specrun_ar); segment x specrun_ar")
         lt.add_column("run")

@@ -205,13 +205,18 @@ def run_specrun(lm, config: EngineConfig, prompt_ids: list[int], params: Samplin
     return result.token_ids, time.perf_counter() - t0, clock.at, result.stats
 
 
+def bench_params(params: SamplingParams, n: int) -> SamplingParams:
+    """What every run generates with: exactly n tokens (EOS ignored, no stop strings or stop token ids)."""
+    return dataclasses.replace(params, max_tokens=n, ignore_eos=True, stop=(), stop_token_ids=())
+
+
 def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned, settings: BenchSettings,
               log: Callable[[str], None] = lambda m: None) -> list[Measurement]:
     """Every planned configuration `repeat` times, interleaved (the order rotates each repeat); warm-up untimed.
 
-    params.max_tokens is overridden by settings.max_tokens and ignore_eos is forced so every run has the same length.
+    params.max_tokens is overridden by settings.max_tokens and stop rules are off so every run has the same length.
     """
-    params = dataclasses.replace(params, max_tokens=settings.max_tokens, ignore_eos=True)
+    params = bench_params(params, settings.max_tokens)
     warm = dataclasses.replace(params, max_tokens=min(settings.warmup, settings.max_tokens)) if settings.warmup else None
 
     def once(spec: RunSpec, target, p: SamplingParams, lengths) -> tuple[list[int], float, dict, dict]:

@@ -60,7 +60,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, chat, 
       specrun bench --model M --prompt-file p.txt --lengths 2048,8192,16384 --repeat 1
     """
     from specrun.bench.report import annotate_divergences, render, summarize
-    from specrun.bench.runner import DEFAULT_RUNS, BenchSettings, hf_notes, plan, run_bench
+    from specrun.bench.runner import DEFAULT_RUNS, BenchSettings, bench_params, hf_notes, plan, run_bench
     from specrun.cli.generate import encode_prompt, load_for_cli
 
     if (prompt is None) == (prompt_file is None):
@@ -85,6 +85,8 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, chat, 
                                      f"{', '.join(r.name for r in DEFAULT_RUNS)}", param_hint="--runs")
         runs = tuple(r for r in DEFAULT_RUNS if r.name in keep)
     planned, notes = plan(base, settings.heads_path, runs)
+    if params.stop or params.stop_token_ids:
+        notes.append("--stop / --stop-token-id ignored: every run generates exactly --max-tokens tokens")
     if not planned:
         raise click.ClickException("nothing to run: " + "; ".join(notes))
 
@@ -122,7 +124,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, chat, 
     report = summarize(ms, {spec.name: spec.kind for spec, _ in planned}, lens, params.greedy, notes, meta)
     from specrun.decoding.neartie import check_divergence
 
-    run_params = dataclasses.replace(params, ignore_eos=True)  # as run_bench ran them
+    run_params = bench_params(params, n)  # as run_bench ran them
     annotate_divergences(report, ms, lambda ref, toks: check_divergence(lm, prompt_ids, run_params, ref, toks,
                                                                                base.prefill_chunk))
     if as_json:

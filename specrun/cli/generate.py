@@ -77,14 +77,14 @@ def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_
     lm = load_for_cli(model, dtype, device, trust_remote_code)
 
     from specrun.decoding.engine import Engine
-    from specrun.models.loader import decode_tokens
+    from specrun.models.loader import output_text
 
     prompt_ids = encode_prompt(lm, text, chat)
     try:
         engine = Engine(lm, config)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    stream = _Streamer(lm.tokenizer, enabled=not as_json)
+    stream = _Streamer(lm.tokenizer, params, enabled=not as_json)
     try:
         result = engine.generate(prompt_ids, params, on_step=stream)
     except ValueError as e:
@@ -92,7 +92,7 @@ def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_
     stream.finish()
     s = result.stats
     if as_json:
-        text_out = decode_tokens(lm.tokenizer, result.token_ids)
+        text_out = output_text(lm.tokenizer, result.token_ids, result.finish_reason, params)
         click.echo(json.dumps({"token_ids": result.token_ids, "text": text_out,
                                "finish_reason": result.finish_reason, "stats": s}))
     else:
@@ -104,27 +104,47 @@ def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_
 
 
 class _Streamer:
-    """Prints the decoded text as it grows, holding back incomplete UTF-8 (decode of the suffix only)."""
+    """Prints the decoded text as it grows, holding back incomplete UTF-8 (decode of the suffix only) and, with stop
+    strings, the last characters a stop string may start in: as in the returned text, nothing from a stop on is
+    printed (a stop token ends the generation, so it is never printed either)."""
 
-    def __init__(self, tokenizer, enabled: bool):
+    def __init__(self, tokenizer, params, enabled: bool):
         self.tokenizer, self.enabled = tokenizer, enabled
+        self.stop, self.stop_ids = params.stop, frozenset(params.stop_token_ids)
+        self.keep = max(map(len, self.stop), default=1) - 1
         self.pending: list[int] = []
+        self.held = ""  # decoded, not printed yet: it may be the start of a stop string
+        self.ended = False  # a stop string was printed up to
 
     def __call__(self, tokens: list[int]) -> bool:
-        if self.enabled:
+        if self.enabled and not self.ended:
             from specrun.models.loader import decode_tokens
 
-            self.pending.extend(tokens)
+            self.pending.extend(t for t in tokens if t not in self.stop_ids)
             text = decode_tokens(self.tokenizer, self.pending)
             if not text.endswith("\ufffd"):
-                sys.stdout.write(text)
-                sys.stdout.flush()
                 self.pending.clear()
+                self._write(text, final=False)
         return False
 
     def finish(self) -> None:
         if self.enabled:
             from specrun.models.loader import decode_tokens
 
-            sys.stdout.write(decode_tokens(self.tokenizer, self.pending) + "\n")
+            if not self.ended:
+                self._write(decode_tokens(self.tokenizer, self.pending), final=True)
+            sys.stdout.write("\n")
             sys.stdout.flush()
+
+    def _write(self, text: str, final: bool) -> None:
+        from specrun.decoding.stops import first_stop
+
+        text, self.held = self.held + text, ""
+        cut = first_stop(text, self.stop) if self.stop else None
+        if cut is not None:
+            text, self.ended = text[:cut], True
+        elif not final and self.keep:
+            split = max(0, len(text) - self.keep)
+            text, self.held = text[:split], text[split:]
+        sys.stdout.write(text)
+        sys.stdout.flush()

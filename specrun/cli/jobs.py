@@ -88,7 +88,7 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     """Run every prompt of PROMPTS (JSON lines) as a resumable job on Ray workers.
 
     Each line has one of "prompt", "messages" or "input_ids", an optional "id" and optional overrides
-    (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window); OpenAI batch lines
+    (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window, stop, stop_token_ids); OpenAI batch lines
     (custom_id, method POST, url, body) work too, and a body field we do not implement is refused by name.
     PROMPTS is read once, so a pipe works (<(zcat p.jsonl.gz)). The whole file is checked first; nothing
     starts if any line is bad. Submitting again with the same input, model and flags resumes the job.

@@ -45,6 +45,11 @@ sampling_options = _stack(
     click.option("--penalty-window", type=int, default=1024, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True),
     click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS (EOS is then an ordinary token)."),
+    click.option("--stop", "stop", multiple=True, metavar="TEXT",
+                 help="Stop string (repeat for up to 4): generation ends at the token that completes one; the text "
+                      "ends before it (finish_reason stop). Per-prompt 'stop' in a prompts file replaces these."),
+    click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, metavar="ID",
+                 help="Token id that ends generation like EOS (repeatable); it is kept in token_ids, not in the text."),
 )
 
 engine_options = _stack(
@@ -91,7 +96,7 @@ def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
             min_p=kw["min_p"], eta=kw["eta"], penalty=kw["penalty"], penalty_window=kw["penalty_window"],
-            seed=kw["seed"], ignore_eos=kw["ignore_eos"],
+            seed=kw["seed"], ignore_eos=kw["ignore_eos"], stop=kw["stop"], stop_token_ids=kw["stop_token_ids"],
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from e

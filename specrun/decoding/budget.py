@@ -1,14 +1,18 @@
 """Adaptive trie size: verify the width w that maximises expected accepted tokens per second of decoding.
 
-Measured online, no start-up calibration: each width's cost is the wall time of whole steps run at that width (drafting
-included); since trie nodes are kept in priority order, one step's accepted path tells what every smaller width accepts.
+Measured online, no start-up calibration: each width's cost is the fastest of its recent whole steps (drafting included;
+the minimum, because noise from other processes only ever adds time); trie nodes are kept in priority order, so one
+step's accepted path tells what every smaller width accepts.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
 EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins: exploring then costs more than it finds
-EMA = 0.1  # weight of a new observation once a width has 1/EMA of them (a running mean before that)
+EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
+COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
 
 
@@ -23,9 +27,8 @@ def candidate_widths(max_budget: int) -> list[int]:
 class BudgetTuner:
     def __init__(self, max_budget: int):
         self.widths = candidate_widths(max_budget)
-        self.cost: dict[int, float] = {}  # seconds per step of w nodes; a width enters after two timed steps
-        self._first: dict[int, float] = {}  # a width's first timing (new shapes pay one-off set-up costs)
-        self._cost_n = dict.fromkeys(self.widths, 0)
+        self._times = {w: deque(maxlen=COST_WINDOW) for w in self.widths}  # recent step seconds per width
+        self.cost: dict[int, float] = {}  # seconds per step of w nodes, for the widths timed so far
         self.accepted = {w: min(float(w), PRIOR_ACCEPTED) for w in self.widths}
         self._acc_n = dict.fromkeys(self.widths, 1)  # the prior counts as one observation
         self.step = 0
@@ -57,12 +60,7 @@ class BudgetTuner:
             acc = 1 + sum(1 for i in path_nodes if i < min(w, used))
             self._acc_n[w] += 1
             self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])
-        if used not in self._cost_n:
-            return
-        n = self._cost_n[used] = self._cost_n[used] + 1
-        if n == 1:
-            self._first[used] = seconds
-        elif n == 2:
-            self.cost[used] = min(self._first.pop(used), seconds)
-        else:
-            self.cost[used] += max(EMA, 1.0 / n) * (seconds - self.cost[used])
+        if used in self._times:
+            times = self._times[used]
+            times.append(seconds)
+            self.cost[used] = min(times)

@@ -21,8 +21,9 @@ from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.penalty import PenaltyWindow
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
+from specrun.decoding.sampling import SamplingParams, choose, process_logits, sample
 from specrun.decoding.stats import GenStats
+from specrun.decoding.stops import StopMatcher
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
 
@@ -73,7 +74,7 @@ class EngineConfig:
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # every generated token, resumed ones included
-    finish_reason: str  # "eos" | "length" | "stopped"
+    finish_reason: str  # "eos" | "stop" (a stop string or stop token) | "length" | "stopped" (interrupted)
     stats: dict = field(default_factory=dict)
 
 
@@ -85,6 +86,9 @@ class _State:
     n: int
     prompt_len: int
     out: list[int]  # generated tokens (Python list: emitting appends, never rescans)
+    stop_ids: frozenset  # params.stop_token_ids
+    stops: StopMatcher | None  # params.stop over the text of `out`
+    stop_hit: bool = False  # the last token of `out` completed a stop string
 
 
 class Engine:
@@ -160,7 +164,8 @@ class Engine:
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
                 self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step)
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
-            stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources)
+            stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources,
+                              len(st.out) - len(emitted))
             done = self._finished(st, params)
             if on_step is not None and on_step(emitted) and not done:
                 done = "stopped"
@@ -172,7 +177,7 @@ class Engine:
     def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> _State:
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        bad = [t for t in (*prompt_ids, *resumed) if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*prompt_ids, *resumed, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model vocabulary [0, {self.vocab_size})")
         total = len(prompt_ids) + params.max_tokens
@@ -184,11 +189,16 @@ class Engine:
         capacity = total + self.config.trie_budget + 1
         self.runner.reset(capacity)
         seq = torch.zeros(capacity, dtype=torch.long, device=self.lm.device)
+        stops = StopMatcher(self.lm.tokenizer, params.stop) if params.stop else None
+        hit = stops.seed(resumed) if stops is not None else None  # resumed text may hold the start of a stop string
+        if hit is not None:  # a stop completed at the last checkpointed token: nothing more to generate
+            resumed = resumed[: hit + 1]
         known = [*prompt_ids, *resumed]
         seq[: len(known)] = torch.tensor(known, dtype=torch.long)
         for d in self.drafters:
             d.start(known)
-        return _State(seq, len(known), len(prompt_ids), resumed)
+        return _State(seq, len(known), len(prompt_ids), resumed, frozenset(params.stop_token_ids), stops,
+                      stop_hit=hit is not None)
 
     def _verify(self, st: _State, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
@@ -200,21 +210,26 @@ class Engine:
         """The target's token after every node, exactly as AR would pick it there. -> [T] long, processed [T, V]"""
         present = window.presence(st.seq, st.n, trie) if window else None
         processed = process_logits(logits, present, params)
-        noise = None
-        if not params.greedy:
-            # the token after a depth-d node is generated token len(out)+d at absolute position n+d
-            depth_max = int(trie.path_tokens.shape[1])
-            pos = torch.arange(st.n, st.n + depth_max + 1, device=logits.device)
-            noise = gumbel_noise(params.seed, pos, logits.shape[-1])[trie.depths]  # [T, V]
-        return choose(processed, noise), processed
+        if params.greedy:
+            return choose(processed, None), processed
+        # the token after a depth-d node is generated token len(out)+d at absolute position n+d
+        return sample(processed, params.seed, trie.depths + st.n), processed
 
     def _stop_rules(self, st: _State, tokens: list[int], params: SamplingParams) -> list[int]:
+        """The accepted tokens AR would have emitted: cut after max_tokens, or the first that ends the generation."""
         tokens = tokens[: params.max_tokens - len(st.out)]
-        if not params.ignore_eos:
-            for i, t in enumerate(tokens):
-                if t in self.lm.eos_ids:
-                    return tokens[: i + 1]
+        for i, t in enumerate(tokens):
+            if self._ends(st, t, params):
+                return tokens[: i + 1]
         return tokens
+
+    def _ends(self, st: _State, token: int, params: SamplingParams) -> bool:
+        """Does this next token end the generation: EOS, a stop token, or the last piece of a stop string?"""
+        if (not params.ignore_eos and token in self.lm.eos_ids) or token in st.stop_ids:
+            return True
+        if st.stops is not None and st.stops.feed(token):
+            st.stop_hit = True
+        return st.stop_hit
 
     def _commit(self, st: _State, path: torch.Tensor, emitted: list[int], window: PenaltyWindow | None) -> None:
         k = len(emitted)
@@ -233,6 +248,8 @@ class Engine:
     def _finished(self, st: _State, params: SamplingParams) -> str | None:
         if st.out and not params.ignore_eos and st.out[-1] in self.lm.eos_ids:
             return "eos"
+        if st.out and (st.out[-1] in st.stop_ids or st.stop_hit):
+            return "stop"
         if len(st.out) >= params.max_tokens:
             return "length"
         return None

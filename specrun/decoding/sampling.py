@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from specrun.decoding.stops import check_stop_token_ids, check_stops
+
 _M32 = 0xFFFFFFFF
 MAX_INT = 2**31 - 1  # counts and windows beyond any context; larger values overflow int32/int64 tensor arguments
 MIN_TEMPERATURE = 1e-4
@@ -27,8 +29,13 @@ class SamplingParams:
     penalty_window: int = 1024
     seed: int = 0
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings (a str or list is normalised): the text ends before the first one
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the generation like EOS (finish_reason "stop")
 
     def __post_init__(self):
+        # frozen, and rebuilt from JSON (lists) by the job directory and the worker's task: normalise to tuples
+        object.__setattr__(self, "stop", check_stops(self.stop))
+        object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
         for f in fields(self):
             if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be a finite number")
@@ -72,20 +79,32 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
+    return _mix32(_mix32(positions.to(torch.int64) ^ s_lo) ^ s_hi)
+
+
+def _gumbel(key: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Noise for (position key, token id) pairs, elementwise after broadcasting -> float64"""
+    h = _mix32(_mix32(key ^ _mix32(v + 0x9E3779B9)) + 0x632BE5AB)
+    # a second independent 32-bit draw gives a 53-bit uniform so the Gumbel tail is not clipped early
+    h2 = _mix32(h ^ 0x5BD1E995)
+    u = ((h >> 5).to(torch.float64) * 67108864.0 + (h2 >> 6).to(torch.float64) + 0.5) / 9007199254740992.0
+    return -torch.log(-torch.log(u))
+
+
 def gumbel_noise(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Counter-based Gumbel(0, 1) noise, identical on every device.
 
     # positions: [R] absolute positions of the tokens being sampled -> [R, V] float64
     """
-    device = positions.device
-    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
-    key = _mix32(_mix32(positions.to(torch.int64) ^ s_lo) ^ s_hi)  # [R]
-    v = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    h = _mix32(_mix32(key[:, None] ^ _mix32(v + 0x9E3779B9)[None, :]) + 0x632BE5AB)  # [R, V]
-    # a second independent 32-bit draw gives a 53-bit uniform so the Gumbel tail is not clipped early
-    h2 = _mix32(h ^ 0x5BD1E995)
-    u = ((h >> 5).to(torch.float64) * 67108864.0 + (h2 >> 6).to(torch.float64) + 0.5) / 9007199254740992.0
-    return -torch.log(-torch.log(u))
+    v = torch.arange(vocab_size, device=positions.device, dtype=torch.int64)
+    return _gumbel(_key(seed, positions)[:, None], v[None, :])
+
+
+def gumbel_at(seed: int, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The same noise at single (position, token) pairs. # positions, tokens: [N] -> [N] float64"""
+    return _gumbel(_key(seed, positions), tokens.to(torch.int64))
 
 
 def apply_penalty(logits: torch.Tensor, present: torch.Tensor, theta: float) -> torch.Tensor:
@@ -147,3 +166,19 @@ def choose(processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     if noise is None:
         return processed.argmax(dim=-1)
     return (processed + noise.to(processed.dtype)).argmax(dim=-1)
+
+
+def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max for rows sampled at the given absolute positions; the same tokens as choose() with full noise rows.
+
+    Truncation (top-k/top-p/min-p/eta) usually keeps a handful of tokens: noise is then drawn for those alone.
+    # processed: [T, V] (-inf = dropped), positions: [T] long -> [T] long
+    """
+    kept = processed > float("-inf")
+    rows, cols = kept.nonzero(as_tuple=True)
+    if rows.numel() * 4 > processed.numel():  # little truncated: whole noise rows, one per distinct position
+        uniq, inverse = torch.unique(positions, return_inverse=True)
+        return choose(processed, gumbel_noise(seed, uniq, processed.shape[-1])[inverse])
+    scores = torch.full_like(processed, float("-inf"))
+    scores[rows, cols] = processed[rows, cols] + gumbel_at(seed, positions[rows], cols).to(processed.dtype)
+    return scores.argmax(dim=-1)

@@ -12,6 +12,7 @@ from collections import Counter
 from contextlib import contextmanager
 
 PHASES = ("prefill", "draft", "trie", "forward", "walk", "commit", "update")
+LENGTH_BUCKET = 512  # acceptance is also kept per bucket of generated length (drafting changes as the text grows)
 
 
 class GenStats:
@@ -27,6 +28,7 @@ class GenStats:
         self.kv_rebuilds = 0
         self.expected_sum = self.observed_sum = 0.0  # sampled steps: drafted children's mass vs accepted (per node)
         self.accept_nodes = 0
+        self.buckets: dict[int, list] = {}  # bucket index -> [steps, tokens, Counter of tokens by drafter]
         self.phase = dict.fromkeys(PHASES, 0.0)
         self.t0 = time.perf_counter()
 
@@ -38,7 +40,13 @@ class GenStats:
         finally:
             self.phase[phase] += time.perf_counter() - t
 
-    def record_step(self, emitted: int, trie_nodes: int, trie_depth: int, accepted_sources: list[int]) -> None:
+    def record_step(self, emitted: int, trie_nodes: int, trie_depth: int, accepted_sources: list[int],
+                    generated: int = 0) -> None:
+        """generated: tokens generated before this step (its length bucket)."""
+        bucket = self.buckets.setdefault(generated // LENGTH_BUCKET, [0, 0, Counter()])
+        bucket[0] += 1
+        bucket[1] += emitted
+        bucket[2].update(self.drafter_names[s] for s in accepted_sources)
         self.steps += 1
         self.new_tokens += emitted
         self.nodes += trie_nodes
@@ -68,6 +76,9 @@ class GenStats:
             "alpha": self.alpha_sum / self.steps if self.steps else 0.0,
             "beta": self.ngram_steps / self.steps if self.steps else 0.0,
             "kv_rebuilds": self.kv_rebuilds,
+            "by_length": [{"from": b * LENGTH_BUCKET, "steps": n, "mean_accepted": t / n,
+                           "tokens_by_drafter": {d: c.get(d, 0) for d in self.drafter_names}}
+                          for b, (n, t, c) in sorted(self.buckets.items())],
             "acceptance_nodes": self.accept_nodes,
             "expected_acceptance": self.expected_sum / self.accept_nodes if self.accept_nodes else None,
             "observed_acceptance": self.observed_sum / self.accept_nodes if self.accept_nodes else None,

@@ -14,16 +14,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from specrun.actors.worker import WorkerSpec
+from specrun.jobs.compaction import Compactor
+from specrun.jobs.interrupts import _Interrupts, _SafeDisplay  # noqa: F401 (_Interrupts: tests)
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.progress import Display
+from specrun.jobs.slots import _cause, _Slots, _Start
 from specrun.storage.chunks import read_progress
 from specrun.storage.records import output_row
+
+REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
+SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 128 + signal.SIGINT  # a stop by signal S exits 128 + S
 
@@ -61,71 +66,6 @@ class RunSummary:
         return EXIT_OK
 
 
-class _Interrupts:
-    """The first SIGINT, SIGTERM or SIGHUP sets `requested` (checkpoint running prompts, then stop); a second one
-    raises KeyboardInterrupt (stop now). Only in the main thread; the previous handlers (Ray's) come back on exit."""
-
-    SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-    def __init__(self):
-        self.requested = False
-        self.signum: int | None = None
-        self.old: dict = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self.old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested, self.signum = True, signum
-
-    @property
-    def name(self) -> str:
-        return "Ctrl-C" if self.signum in (None, signal.SIGINT) else signal.Signals(self.signum).name
-
-    def __exit__(self, *exc):
-        for s, handler in self.old.items():
-            signal.signal(s, handler)
-        self.old = {}
-
-
-class _SafeDisplay:
-    """The Display, with output errors ignored: after SIGHUP the terminal is gone, and a failed write to it must not
-    keep the running prompts from being checkpointed."""
-
-    def __init__(self, display: Display):
-        self._d = display
-
-    def __getattr__(self, name):
-        attr = getattr(self._d, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            except OSError:
-                return None
-        return call
-
-
-@dataclass
-class _Start:
-    """A worker actor on its way up: placed once `ping` answers, ready once `load` returns."""
-    ping: object
-    load: object
-    t0: float
-    placed_at: float | None = None
-    what: str = "worker"
-
-    def pending(self):
-        return self.ping if self.placed_at is None else self.load
-
-
 def run_job(job: JobDir, opts: RunOptions) -> RunSummary:
     """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock."""
     job.acquire_lock()
@@ -135,7 +75,10 @@ def run_job(job: JobDir, opts: RunOptions) -> RunSummary:
         job.release_lock()
 
 
-class _Driver:
+class _Driver(_Slots):
+    """Bookkeeping is O(1) per event (a prompt finished, failed or was lost): counters, never scans of the prompts;
+    the display reads the in-flight prompts' live files at most every REFRESH_S."""
+
     def __init__(self, job: JobDir, opts: RunOptions):
         self.job, self.opts, self.rec = job, opts, job.records
         self.manifest = job.manifest()
@@ -148,29 +91,50 @@ class _Driver:
         self.idle: list[int] = []
         self.dropped: dict[int, tuple[str, str]] = {}  # slot -> (which worker, why) it has no worker any more
         self.stop_timed_out = False
+        self.last_refresh = 0.0
 
     def run(self) -> RunSummary:
-        todo = []
-        self.finished_before = {}
-        for pid, p in self.prompts.items():
-            if self.rec.repair_marker(pid):
-                self.finished_before[pid] = True
-                self.done_tokens += (self.rec.read_done(pid) or {}).get("n_tokens", 0)
-            else:
-                self.rec.clear_failed(pid)
-                todo.append(p)
+        ids = list(self.prompts)
+        scan = self.rec.repair(ids)  # outputs verified, markers and leftovers made to agree with them
+        todo = [p for pid, p in self.prompts.items() if pid not in scan.rows]
+        for p in todo:
+            self.rec.clear_failed(p.id)
         self.n_done_initial = len(self.prompts) - len(todo)
+        self.done_tokens = sum(r["n_tokens"] for r in scan.rows.values())
+        self.tokens_left = sum(p.params.max_tokens for p in todo)  # max_tokens of the prompts not done yet
+        self.compactor = Compactor(self.rec, ids)
+        self.compactor.pending.extend(scan.in_parts)
         self.display = _SafeDisplay(Display(len(self.prompts), self.n_done_initial,
                                             Display.choose_mode(self.opts.quiet)))
         try:
+            for problem in scan.problems:
+                self.display.warn(f"outputs: {problem}; the prompts it held are generated again")
             if not todo:
                 self.display.log(f"all {len(self.prompts)} prompts of {self.job.root} are done")
-                return self.summary
-            todo.sort(key=lambda p: len(p.input_ids) + p.params.max_tokens, reverse=True)  # longest first
-            self._run_ray(deque(todo))
+            else:
+                todo.sort(key=lambda p: len(p.input_ids) + p.params.max_tokens, reverse=True)  # longest first
+                self._run_ray(deque(todo))
+        except KeyboardInterrupt:  # stop at once
+            self.compactor.cancel()
+            raise
+        except JobError:  # no worker could start: what did finish is merged, the rest resumes later
+            self._compact_final()
+            raise
+        except BaseException:
+            self.compactor.wait()
+            raise
+        else:
+            self._compact_final()
         finally:
             self.display.close()
         return self.summary
+
+    def _compact_final(self) -> None:
+        """Merge every part left; when every prompt is done, leave one output file."""
+        all_done = self.n_done_initial + len(self.summary.done) == len(self.prompts)
+        self.compactor.finish(everything=all_done)
+        for m in self.compactor.drain():
+            self.display.warn(m)
 
     # -- Ray ----------------------------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
@@ -214,6 +178,8 @@ class _Driver:
                     for slot in range(n):
                         self._launch(slot)
                     self._loop(queue, intr)
+                    if not self.summary.interrupted:
+                        self._save_worker_state()
                 except KeyboardInterrupt:
                     self.summary.interrupted = True
                     self.summary.stop_signal = intr.signum
@@ -227,62 +193,17 @@ class _Driver:
             if started:
                 ray.shutdown()
 
-    # -- worker slots: starting (with deadlines) -> idle <-> busy; lost -> relaunched; past a deadline -> dropped --
-    def _launch(self, slot: int, what: str = "worker") -> None:
-        from specrun.actors.pool import start_worker
-
-        w = start_worker(self.spec, slot, self.gpus)
-        self.workers[slot] = w
-        self.starting[slot] = _Start(w.ping.remote(), w.load.remote(), time.monotonic(), what=what)
-
-    def _drop(self, slot: int, who: str, why: str) -> None:
-        """Give up on a slot's worker; with none left the loop raises _no_worker_error (which says why)."""
+    def _save_worker_state(self) -> None:
+        """At the end of a run, the (idle) workers write their recycling matrix once more: they snapshot it only
+        every WorkerSpec.snapshot_seconds. Best-effort, within SAVE_STATE_TIMEOUT_S."""
         import ray
 
-        ray.kill(self.workers.pop(slot), no_restart=True)
-        self.starting.pop(slot, None)
-        self.dropped[slot] = (who, why)
-        if self.workers:
-            self.display.warn(f"{who} {why}; going on with {len(self.workers)} worker(s)")
-
-    def _poll_starting(self) -> None:
-        """Moves workers that are up to idle; drops those past their placement or load deadline, or that failed."""
-        import ray
-
-        from specrun.actors.pool import describe_resources
-
-        now = time.monotonic()
-        for slot, st in list(self.starting.items()):
-            who = f"{st.what} {slot}"
+        refs = [self.workers[slot].save_state.remote() for slot in self.idle if slot in self.workers]
+        if refs:
             try:
-                if st.placed_at is None:
-                    if ray.wait([st.ping], timeout=0)[0]:
-                        ray.get(st.ping, timeout=0)
-                        st.placed_at = now
-                    elif now - st.t0 > self.opts.place_timeout_s:
-                        self._drop(slot, who, f"could not be placed on the Ray cluster within "
-                                              f"{self.opts.place_timeout_s:g} s: {describe_resources(self.gpus)}")
-                        continue
-                if st.placed_at is not None:
-                    if ray.wait([st.load], timeout=0)[0]:
-                        info = ray.get(st.load, timeout=0)
-                        del self.starting[slot]
-                        self.idle.append(slot)
-                        if info.get("hot_start"):
-                            self.display.log(f"{who}: recycling matrix warm from {info['hot_start']}")
-                    elif now - st.placed_at > self.opts.load_timeout_s:
-                        self._drop(slot, who, f"did not load the model within {self.opts.load_timeout_s:g} s "
-                                              f"(RunOptions.load_timeout_s)")
-            except ray.exceptions.RayError as e:  # died while starting, or the model failed to load
-                self._drop(slot, who, f"failed while starting: {_cause(e)}")
-
-    def _no_worker_error(self) -> JobError:
-        by_why: dict[tuple[str, str], list[int]] = {}
-        for slot, (who, why) in self.dropped.items():
-            by_why.setdefault((who.rsplit(" ", 1)[0], why), []).append(slot)
-        whys = "; ".join(f"{kind} {', '.join(map(str, slots))} {why}" for (kind, why), slots in by_why.items())
-        return JobError(f"the generation workers could not start: {whys}. Checkpointed tokens are kept; "
-                        f"`specrun resume {self.job.root}` continues the job")
+                ray.wait(refs, num_returns=len(refs), timeout=SAVE_STATE_TIMEOUT_S)
+            except Exception:
+                pass
 
     def _loop(self, queue: deque, intr: _Interrupts) -> None:
         import ray
@@ -290,10 +211,12 @@ class _Driver:
         inflight: dict = {}  # ObjectRef -> (slot, prompt id)
         stopping, stop_by = False, 0.0
         while inflight or (queue and not stopping):
-            if intr.requested and not stopping:
+            lock_lost = not stopping and self.job.lock_lost()
+            if (intr.requested or lock_lost) and not stopping:
                 stopping, stop_by = True, time.monotonic() + self.opts.stop_timeout_s
-                self.summary.stop_signal = intr.signum
-                self.display.warn(f"{intr.name}: checkpointing {len(inflight)} running prompt(s) and stopping "
+                self.summary.stop_signal = intr.signum if intr.requested else signal.SIGTERM
+                why = intr.name if intr.requested else "the job lock was lost (see the warning above)"
+                self.display.warn(f"{why}: checkpointing {len(inflight)} running prompt(s) and stopping "
                                   f"({intr.name} again to stop at once)")
                 for slot, _ in inflight.values():
                     self.workers[slot].request_stop.remote()
@@ -306,12 +229,7 @@ class _Driver:
                 break
             if self.starting:
                 self._poll_starting()
-            while self.idle and queue and not stopping:
-                slot, p = self.idle.pop(0), queue.popleft()
-                self.attempts[p.id] = self.attempts.get(p.id, 0) + 1
-                task = {"id": p.id, "input_ids": list(p.input_ids), "params": dataclasses.asdict(p.params),
-                        "resume_from": read_progress(self.job.progress_dir(p.id))}
-                inflight[self.workers[slot].generate.remote(task)] = (slot, p.id)
+            self._dispatch(queue, inflight, stopping)
             if not self.workers and queue and not stopping:
                 raise self._no_worker_error()
             refs = list(inflight) + [st.pending() for st in self.starting.values()]
@@ -320,6 +238,7 @@ class _Driver:
                 if ref not in inflight:
                     continue  # a starting worker: _poll_starting takes it next round
                 slot, pid = inflight.pop(ref)
+                res = None
                 try:
                     res = ray.get(ref, timeout=0)
                 except ray.exceptions.RayTaskError as e:  # the prompt itself failed: only this prompt
@@ -337,12 +256,22 @@ class _Driver:
                                               f"its last checkpoint")
                         queue.appendleft(self.prompts[pid])
                     continue
-                else:
-                    self._finish(res)
                 self.idle.append(slot)
+                self._dispatch(queue, inflight, stopping)  # the worker goes on while the output row is written
+                if res is not None:
+                    self._finish(res)
             self._refresh(inflight)
+        self._refresh(inflight, force=True)
         self.summary.interrupted = stopping and bool(queue or self.summary.stopped)
         self._report(queue)
+
+    def _dispatch(self, queue: deque, inflight: dict, stopping: bool) -> None:
+        while self.idle and queue and not stopping:
+            slot, p = self.idle.pop(0), queue.popleft()
+            self.attempts[p.id] = self.attempts.get(p.id, 0) + 1
+            task = {"id": p.id, "input_ids": list(p.input_ids), "params": dataclasses.asdict(p.params),
+                    "resume_from": read_progress(self.job.progress_dir(p.id))}
+            inflight[self.workers[slot].generate.remote(task)] = (slot, p.id)
 
     def _finish(self, res: dict) -> None:
         pid = res["id"]
@@ -359,8 +288,16 @@ class _Driver:
         except OSError as e:  # disk full, stale handle: the prompt is not done; its checkpoints are kept
             self._fail(pid, f"could not write its output row: {type(e).__name__}: {e}")
             return
+        try:  # every token is in the durable row now: the chunks have served (I3)
+            self.rec.drop_progress(pid)
+        except OSError as e:
+            self.display.warn(f"prompt {pid!r}: could not remove its progress chunks ({e}); the next run does")
         self.done_tokens += len(res["token_ids"])
+        self.tokens_left -= p.params.max_tokens
         self.summary.done.append(pid)
+        self.compactor.add(pid)
+        for m in self.compactor.drain():
+            self.display.warn(m)
 
     def _fail(self, pid: str, error: str) -> None:
         try:
@@ -370,12 +307,15 @@ class _Driver:
         self.summary.failed[pid] = error
         self.display.warn(f"prompt {pid!r} failed: {error}")
 
-    def _refresh(self, inflight: dict) -> None:
+    def _refresh(self, inflight: dict, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_refresh < REFRESH_S:
+            return
+        self.last_refresh = now
         live = {pid: info for _, pid in inflight.values() if (info := self.rec.read_live(pid))}
         done = self.n_done_initial + len(self.summary.done)
-        total = self.done_tokens + sum(p.params.max_tokens for pid, p in self.prompts.items()
-                                       if pid not in self.summary.done and not self.finished_before.get(pid))
-        self.display.update(live, done, self.done_tokens + sum(i.get("tokens", 0) for i in live.values()), total)
+        self.display.update(live, done, self.done_tokens + sum(i.get("tokens", 0) for i in live.values()),
+                            self.done_tokens + self.tokens_left)
 
     def _report(self, queue: deque) -> None:
         s = self.summary
@@ -390,11 +330,3 @@ class _Driver:
         if s.failed:
             self.display.warn(f"{len(s.failed)} prompt(s) failed; see `specrun status {self.job.root}`; "
                               f"`specrun resume {self.job.root}` retries them")
-
-
-def _cause(e: BaseException) -> str:
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {cause}"
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__

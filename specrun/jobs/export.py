@@ -1,6 +1,10 @@
 """`specrun export`: the finished rows of a job, in input order, as JSON lines, one Parquet file, or plain text.
 
-Only prompts with a done marker are exported; the caller is told how many are missing.
+Streamed: rows are read from the job's output files a row group at a time and written out as they come, so memory
+holds the ids plus one row group per output file, never every token of every output. A Parquet export gets row groups
+of bounded size (storage/rowfiles.py) and the OUTPUT schema; every file written to -o appears only complete (atomic).
+Only finished prompts are exported; the caller is told how many are missing. A row that cannot be read (a damaged
+output file) is skipped with a warning: `specrun resume` generates it again.
 """
 
 from __future__ import annotations
@@ -11,41 +15,62 @@ import sys
 import pyarrow as pa
 
 from specrun.jobs.jobdir import JobDir
-from specrun.storage.atomic import atomic_write_table
+from specrun.storage.atomic import atomic_path
+from specrun.storage.rowfiles import row_writer
+from specrun.storage.schemas import OUTPUT
+
+
+def iter_finished(job: JobDir, problems: list | None = None, batches: bool = False):
+    """(id, 1-row table) of every finished row, in input order; with `batches`, (ids, table) of several rows."""
+    yield from job.records.iter_outputs(job.prompt_ids(), problems=problems, batches=batches)
 
 
 def finished_table(job: JobDir) -> tuple[pa.Table, int]:
-    """(rows in input order, number of prompts not done)."""
-    prompts = job.prompts()
-    table = job.records.read_outputs()
-    order = {p.id: i for i, p in enumerate(prompts)}
-    rows = sorted(table.to_pylist(), key=lambda r: order.get(r["id"], len(order)))
-    return pa.Table.from_pylist(rows, schema=table.schema), len(prompts) - len(rows)
+    """(rows in input order, number of prompts not done), in memory: for small jobs and tests."""
+    tables = [t for _, t in iter_finished(job)]
+    table = pa.concat_tables(tables) if tables else OUTPUT.empty_table()
+    return table, len(job.prompt_ids()) - table.num_rows
+
+
+def _lines(batches, fmt: str):
+    for _, t in batches:
+        for i in range(t.num_rows):  # one row at a time in Python objects (a row group of them can be GBs)
+            r = t.slice(i, 1).to_pylist()[0]
+            if fmt == "text":  # for reading: a header line per prompt, then its generated text
+                yield f"=== {r['id']} ({r['n_tokens']} tokens, {r['finish_reason']}) ===\n{r['text']}\n\n"
+            else:
+                r["stats"] = json.loads(r["stats"])
+                yield json.dumps(r, ensure_ascii=False) + "\n"
 
 
 def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
-    """Write the rows to `out` ('-' or None = stdout for jsonl); returns (rows written, prompts missing)."""
-    table, missing = finished_table(job)
-    if fmt == "parquet":
-        if out in (None, "-"):
-            raise ValueError("--format parquet needs -o FILE")
-        atomic_write_table(out, table)
-    elif fmt in ("jsonl", "text"):
-        lines = []
-        for r in table.to_pylist():
-            if fmt == "text":  # for reading: a header line per prompt, then its generated text
-                lines.append(f"=== {r['id']} ({r['n_tokens']} tokens, {r['finish_reason']}) ===\n{r['text']}\n")
-                continue
-            r["stats"] = json.loads(r["stats"])
-            lines.append(json.dumps(r, ensure_ascii=False))
-        data = "".join(line + "\n" for line in lines)
-        if out in (None, "-"):
-            sys.stdout.write(data)
-            sys.stdout.flush()
-        else:
-            from specrun.storage.atomic import atomic_write_bytes
-
-            atomic_write_bytes(out, data.encode("utf-8"))
-    else:
+    """Write the rows to `out` ('-' or None = stdout for jsonl and text); returns (rows written, prompts missing)."""
+    if fmt not in ("jsonl", "parquet", "text"):
         raise ValueError(f"unknown format {fmt!r} (jsonl, parquet or text)")
-    return table.num_rows, missing
+    if fmt == "parquet" and out in (None, "-"):
+        raise ValueError("--format parquet needs -o FILE")
+    n_prompts = len(job.prompt_ids())
+    problems: list[str] = []
+    n = 0
+
+    def counted():
+        nonlocal n
+        for ids, t in iter_finished(job, problems, batches=True):
+            n += len(ids)
+            yield ids, t
+
+    if fmt == "parquet":
+        with row_writer(out, OUTPUT) as w:
+            for _, t in counted():
+                w.add(t)
+    elif out in (None, "-"):
+        for line in _lines(counted(), fmt):
+            sys.stdout.write(line)
+        sys.stdout.flush()
+    else:
+        with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(_lines(counted(), fmt))
+    for p in problems:
+        print(f"warning: {p}; those rows were not exported (`specrun resume {job.root}` generates them again)",
+              file=sys.stderr)
+    return n, n_prompts - n

@@ -2,8 +2,9 @@
 
 Every bad line is reported with its number and reason (bad JSON or UTF-8, lone surrogates, absurd nesting or numbers,
 wrong fields, a chat template that raises, too long for the model); nothing is returned unless every line is good.
-Accepts `prompt` | `messages` | `input_ids` lines with optional id and sampling overrides, and OpenAI batch lines
-(POST /v1/completions or /v1/chat/completions); an OpenAI body field we do not implement is refused by name.
+Accepts `prompt` | `messages` | `input_ids` lines with optional id and sampling overrides (`stop` and
+`stop_token_ids` included), and OpenAI batch lines (POST /v1/completions or /v1/chat/completions); an OpenAI body field
+we do not implement is refused by name.
 """
 
 from __future__ import annotations
@@ -18,20 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.stops import check_stop_token_ids, check_stops
 
 MAX_REPORTED = 20
 MAX_LINE_BYTES = 64 << 20  # a longer line is reported, never loaded (a binary file without newlines stays cheap)
 MAX_INT = 2**63 - 1  # an integer given for any override must fit in int64 (a float field converts it)
 OVERRIDES = {"max_tokens": int, "seed": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
              "penalty": float, "penalty_window": int}
+STOP_OVERRIDES = ("stop", "stop_token_ids")  # a line's own list replaces the job's (--stop, --stop-token-id)
 SOURCES = ("prompt", "messages", "input_ids")
 OPENAI_LINE = ("custom_id", "method", "url", "body")
 OPENAI_URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}  # url -> the body's source field
-# Body fields we implement (theirs -> our override). Every other body field is refused by name, `stop` included: to
-# lift a refusal, implement the field and map it here (and in OVERRIDES).
+# Body fields we implement (theirs -> our override). Every other body field is refused by name: to lift a refusal,
+# implement the field and map it here (and in OVERRIDES or STOP_OVERRIDES). stop_token_ids is vLLM's extension.
 OPENAI_BODY = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "seed": "seed",
                "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-               "repetition_penalty": "penalty"}
+               "repetition_penalty": "penalty", "stop": "stop", "stop_token_ids": "stop_token_ids"}
 OPENAI_NO_EFFECT = ("model", "user")  # accepted, change nothing: the job's --model generates every line
 OPENAI_NEUTRAL = {"n": 1, "best_of": 1, "stream": False, "echo": False, "logprobs": False, "frequency_penalty": 0,
                   "presence_penalty": 0}  # accepted only at the value that changes nothing
@@ -166,9 +169,9 @@ class _Validator:
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         if "custom_id" in obj or "body" in obj:
             obj = _from_openai(obj)
-        unknown = sorted(set(obj) - {"id", *SOURCES, *OVERRIDES})
+        unknown = sorted(set(obj) - {"id", *SOURCES, *OVERRIDES, *STOP_OVERRIDES})
         if unknown:
-            allowed = ", ".join(("id", *SOURCES, *OVERRIDES))
+            allowed = ", ".join(("id", *SOURCES, *OVERRIDES, *STOP_OVERRIDES))
             raise ValueError(f"unknown field {unknown[0]!r} (allowed: {allowed})")
         given = [k for k in SOURCES if k in obj]
         if len(given) != 1:
@@ -186,6 +189,7 @@ class _Validator:
                 if isinstance(value, int) and abs(value) > MAX_INT:
                     raise ValueError(f"{k}={_short.repr(value)} is out of range (at most 2**63 - 1)")
                 overrides[k] = value
+        overrides.update(self._stops(obj))
         seed = overrides.get("seed", derive_seed(self.base.seed, pid))
         try:
             params = dataclasses.replace(self.base, **{**overrides, "seed": seed})
@@ -197,6 +201,23 @@ class _Validator:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
                              f"model context of {self.max_context}")
         return PromptRecord(pid, line, text, tuple(ids), overrides, params)
+
+    def _stops(self, obj: dict) -> dict:
+        """The line's stop / stop_token_ids (lists), checked: ValueError naming the fault."""
+        out = {}
+        if "stop" in obj:
+            out["stop"] = list(check_stops(obj["stop"]))
+        if "stop_token_ids" in obj:
+            ids = list(check_stop_token_ids(obj["stop_token_ids"]))
+            self.check_vocab("stop_token_ids", ids)
+            out["stop_token_ids"] = ids
+        return out
+
+    def check_vocab(self, what: str, ids) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} holds {_short.repr(bad[0])}: token ids must be integers in "
+                             f"[0, {self.vocab_size})")
 
     def _encode(self, kind: str, value) -> tuple[str | None, list[int]]:
         if kind == "input_ids":
@@ -248,9 +269,11 @@ def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int,
                  max_reported: int = MAX_REPORTED) -> tuple[list[PromptRecord], str]:
     """Read PATH once, streaming (a pipe or FIFO works): -> (records, sha256 hex of every byte read).
 
-    Raises InputError listing the bad lines (line number + reason) when any is bad, or when PATH cannot be read.
+    Raises InputError listing the bad lines (line number + reason) when any is bad, or when PATH cannot be read;
+    ValueError when a stop token id of `base` is outside the vocabulary.
     """
     v = _Validator(tokenizer, max_context, vocab_size, base)
+    v.check_vocab("--stop-token-id", base.stop_token_ids)  # the job's own (a line's replaces it): once, not per line
     problems: list[str] = []
     total_bad = 0
     records: list[PromptRecord] = []

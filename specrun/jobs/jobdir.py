@@ -1,6 +1,7 @@
 """One job = one directory: manifest (written once), prompts.parquet, progress/, state/, outputs/, done/, and a lock.
 
-The lock (pid + host, created atomically with os.link) keeps a second driver out; a dead driver's lock is taken over.
+The lock (storage/lock.py: exclusive create, heartbeat and lease, atomic takeover) keeps a second driver out; a dead
+driver's lock (same host: its pid is gone; another host: its heartbeat is older than the lease) is taken over.
 """
 
 from __future__ import annotations
@@ -8,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import time
-import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,6 +18,7 @@ import pyarrow.parquet as pq
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, atomic_write_table, local_path, read_json
+from specrun.storage.lock import JobLock, LockHeld
 from specrun.storage.names import id_key
 from specrun.storage.records import Records
 from specrun.storage.schemas import PROMPTS
@@ -38,6 +38,7 @@ class JobDir:
         self.manifest_path = self.root / "job.json"
         self.prompts_path = self.root / "prompts.parquet"
         self.lock_path = self.root / "lock.json"
+        self.lock = JobLock(self.lock_path)
         self.state_dir = self.root / "state"
 
     def exists(self) -> bool:
@@ -65,65 +66,37 @@ class JobDir:
         return [PromptRecord(r["id"], r["line"], r["text"], tuple(r["input_ids"]), json.loads(r["overrides"]),
                              SamplingParams(**json.loads(r["params"]))) for r in t.to_pylist()]
 
+    def prompt_ids(self) -> list[str]:
+        """The prompts' ids in input order (reads one column)."""
+        return pq.read_table(self.prompts_path, columns=["id"], schema=PROMPTS).column("id").to_pylist()
+
     # -- lock -----------------------------------------------------------------------------------------------------
     def lock_owner(self) -> dict | None:
-        try:
-            return read_json(self.lock_path)
-        except (OSError, ValueError):
-            return None
+        return self.lock.owner()
 
     def acquire_lock(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".lock.{uuid.uuid4().hex[:8]}.tmp"
-        tmp.write_text(json.dumps(me))
         try:
-            for _ in range(2):
-                try:
-                    os.link(tmp, self.lock_path)  # atomic: fails if a lock exists
-                    return
-                except FileExistsError:
-                    owner = self.lock_owner()
-                    if owner is not None and not _is_stale(owner):
-                        raise JobError(
-                            f"job {self.root} is being run by another driver (pid {owner.get('pid')} on "
-                            f"{owner.get('host')}, since {time.ctime(owner.get('started_at', 0))}); if that driver "
-                            f"is gone for good, delete {self.lock_path}") from None
-                    self.lock_path.unlink(missing_ok=True)  # stale: the driver that held it is dead
-            raise JobError(f"could not take the lock {self.lock_path}; retry")
-        finally:
-            tmp.unlink(missing_ok=True)
+            self.lock.acquire()
+        except LockHeld as e:
+            o = e.owner or {}
+            beat = o.get("heartbeat_at")
+            since = f", last heartbeat {time.time() - beat:.0f} s ago" if isinstance(beat, (int, float)) else ""
+            raise JobError(
+                f"job {self.root} is being run by another driver (pid {o.get('pid')} on {o.get('host')}, since "
+                f"{time.ctime(o.get('started_at', 0))}{since}); if that driver is gone for good, delete "
+                f"{self.lock_path}, or wait for its lease ({o.get('lease_s', '?')} s after its last heartbeat) to "
+                f"expire") from None
 
     def release_lock(self) -> None:
-        owner = self.lock_owner()
-        if owner and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
-            self.lock_path.unlink(missing_ok=True)
+        self.lock.release()
+
+    def lock_lost(self) -> bool:
+        """True once this process's lock can no longer be trusted (see JobLock.beat): stop the run."""
+        return self.lock.lost
 
     def driver_alive(self) -> bool:
-        owner = self.lock_owner()
-        return owner is not None and not _is_stale(owner)
-
-
-def _is_stale(owner: dict) -> bool:
-    if owner.get("host") != socket.gethostname():
-        return False  # cannot see other hosts' processes: only a human may break that lock
-    pid = owner.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+        return self.lock.held_by_live()
 
 
 def manifest_differences(old: dict, new: dict) -> list[str]:

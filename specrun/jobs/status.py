@@ -1,60 +1,77 @@
 """`specrun status`: per-prompt state (pending, running, done, failed, repair), tokens, tok/s, acceptance, ETA, totals.
 
-Read-only and safe from any terminal during or after a run: it reads markers, outputs, chunk names and live files.
+Read-only and safe from any terminal during or after a run. Cost: one listing of done/, failed/, live/ and progress/,
+the small columns of the output files (never token_ids or text), and a file read only for prompts that have a
+failed or live file or progress chunks: O(prompts + files), not O(prompts x anything).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
-import pyarrow.parquet as pq
-
 from specrun.jobs.jobdir import JobDir
+from specrun.storage.atomic import read_json
 from specrun.storage.chunks import progress_count
-from specrun.storage.schemas import OUTPUT
+from specrun.storage.names import id_key
 
 LIVE_FRESH_S = 120.0  # a live file older than this (or with no driver) is an interrupted run, not a running one
 OUT_COLUMNS = ["id", "n_tokens", "finish_reason", "tokens_per_s", "mean_accepted", "seconds"]
-# "repair": marked done but its output file is missing or unreadable (resume regenerates it from its checkpoints)
+# "repair": marked done but its output row is missing or unreadable (resume generates it again)
 STATES = ("pending", "running", "done", "failed", "repair")
 
 
-def _output_summary(path, prompt_id: str) -> dict | None:
+def _names(d) -> set[str]:
     try:
-        rows = pq.read_table(path, columns=OUT_COLUMNS, schema=OUTPUT).to_pylist()
-    except Exception:  # missing, truncated, not Parquet, I/O error
+        return set(os.listdir(d))
+    except FileNotFoundError:
+        return set()
+
+
+def _read(path) -> dict | None:
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
         return None
-    return rows[0] if len(rows) == 1 and rows[0]["id"] == prompt_id else None
 
 
 def job_status(job: JobDir) -> dict:
     manifest = job.manifest()
     owner = job.lock_owner()
     driver_up = job.driver_alive()
+    rec = job.records
+    prompts = job.prompts()
+    # listed before the outputs are read: a marker seen here had its row durable before, so the scan finds it
+    markers, failed, live, progress = (_names(d) for d in (rec.done, rec.failed, rec.live, rec.progress))
+    outputs = rec.scan([p.id for p in prompts], OUT_COLUMNS).rows
     rows = []
-    for p in job.prompts():
-        rec = job.records
+    now = time.time()
+    for p in prompts:
+        key = id_key(p.id)
         row = {"id": p.id, "line": p.line, "max_tokens": p.params.max_tokens, "tokens": 0, "tokens_per_s": None,
                "mean_accepted": None, "eta_s": None, "finish_reason": None, "error": None}
-        if rec.is_done(p.id) and (o := _output_summary(rec.output_path(p.id), p.id)) is not None:
+        saved = (lambda: progress_count(rec.progress / key)) if key in progress else (lambda: 0)
+        if (o := outputs.get(p.id)) is not None:
             row.update(state="done", tokens=o["n_tokens"], tokens_per_s=o["tokens_per_s"],
                        mean_accepted=o["mean_accepted"], finish_reason=o["finish_reason"], eta_s=0.0)
-        elif rec.is_done(p.id):  # a done marker without a readable output row: resume regenerates the prompt
-            row.update(state="repair", tokens=progress_count(job.progress_dir(p.id)),
-                       error=f"{rec.output_problem(p.id) or 'output unreadable'}; `specrun resume` regenerates it")
-        elif (f := rec.failure(p.id)) is not None:
-            row.update(state="failed", error=f.get("error"), tokens=progress_count(job.progress_dir(p.id)))
+        elif f"{key}.json" in markers:  # a done marker without a readable output row: resume regenerates it
+            row.update(state="repair", tokens=saved(),
+                       error=f"{rec.output_problem(p.id)}; `specrun resume` generates it again")
+        elif f"{key}.json" in failed and (f := _read(rec.failed / f"{key}.json")) is not None:
+            row.update(state="failed", error=f.get("error"), tokens=saved())
         else:
-            live = rec.read_live(p.id)
-            if live and driver_up and time.time() - live.get("updated_at", 0) < LIVE_FRESH_S:
-                rate = live.get("tokens_per_s") or 0.0
-                left = max(0, p.params.max_tokens - live.get("tokens", 0))
-                row.update(state="running", tokens=live.get("tokens", 0), tokens_per_s=rate,
-                           mean_accepted=live.get("mean_accepted"), eta_s=left / rate if rate > 0 else None)
+            info = _read(rec.live / f"{key}.json") if f"{key}.json" in live else None
+            if info and driver_up and now - info.get("updated_at", 0) < LIVE_FRESH_S:
+                rate = info.get("tokens_per_s") or 0.0
+                left = max(0, p.params.max_tokens - info.get("tokens", 0))
+                row.update(state="running", tokens=info.get("tokens", 0), tokens_per_s=rate,
+                           mean_accepted=info.get("mean_accepted"), eta_s=left / rate if rate > 0 else None)
             else:
-                row.update(state="pending", tokens=progress_count(job.progress_dir(p.id)))
+                row.update(state="pending", tokens=saved())
         rows.append(row)
-    counts = {s: sum(r["state"] == s for r in rows) for s in STATES}
+    counts = {s: 0 for s in STATES}
+    for r in rows:
+        counts[r["state"]] += 1
     running_rate = sum(r["tokens_per_s"] or 0 for r in rows if r["state"] == "running")
     left = sum(max(0, r["max_tokens"] - r["tokens"]) for r in rows if r["state"] in ("pending", "running", "repair"))
     return {

@@ -47,7 +47,7 @@ def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: Mod
         "input": {"path": str(prompts_path.resolve()), "sha256": input_sha, "n_prompts": n_prompts},
         "model": {"arg": info.arg, "path": info.path, "fingerprint": info.fingerprint, "dtype": settings.dtype,
                   "device": settings.device, "trust_remote_code": settings.trust_remote_code},
-        "params": dataclasses.asdict(params),
+        "params": json.loads(json.dumps(dataclasses.asdict(params))),  # stop tuples -> lists, as read back
         "engine": json.loads(json.dumps(dataclasses.asdict(engine))),  # tuples -> lists; rebuilt by engine_config()
         "checkpoint": {"every": settings.checkpoint_every, "seconds": settings.checkpoint_seconds},
     }

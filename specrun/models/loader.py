@@ -1,6 +1,7 @@
 """Load a local HF causal-LM directory (or the built-in demo or smollm2) into a LoadedModel: model, tokenizer, eos ids.
 
-load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens(tokenizer, ids) -> text (skips ids the tokenizer lacks).
+load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens(tokenizer, ids) -> text (skips ids the tokenizer
+lacks); output_text(tokenizer, ids, finish_reason, params) -> the text a generation returns (cut before its stop).
 """
 
 from __future__ import annotations
@@ -210,3 +211,17 @@ def decode_tokens(tokenizer, ids, skip_special_tokens: bool = True) -> str:
     n = len(tokenizer)
     kept = [int(i) for i in ids if 0 <= int(i) < n]
     return tokenizer.decode(kept, skip_special_tokens=skip_special_tokens) if kept else ""
+
+
+def output_text(tokenizer, ids, finish_reason: str, params) -> str:
+    """The text of a generation as returned (OpenAI semantics): when it finished on a stop ("stop"), without the stop
+    token, or without the stop string and anything after it. token_ids keep the token that completed the stop."""
+    from specrun.decoding.stops import first_stop
+
+    ids = list(ids)
+    stopped = finish_reason == "stop" and bool(ids)
+    if stopped and ids[-1] in params.stop_token_ids:
+        return decode_tokens(tokenizer, ids[:-1])
+    text = decode_tokens(tokenizer, ids)
+    cut = first_stop(text, params.stop) if stopped and params.stop else None
+    return text if cut is None else text[:cut]

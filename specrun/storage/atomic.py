@@ -1,10 +1,14 @@
 """Atomic file writes: a file becomes visible under its final name only complete (tmp name, flush, fsync, rename).
 
-Local paths only (a `file://` prefix is accepted); every job file goes through these helpers (I3).
+Local paths only (a `file://` prefix is accepted); every job file goes through these helpers (I3). Temporaries are
+hidden names in the target's directory, `.<name>.<8 hex>.tmp`, so that a glob of `*.parquet` never matches one.
+durable=False skips the fsyncs (still atomic: a reader sees the old file or the new one, never half of one) for
+files that are rebuilt from durable ones after a crash (live status, done markers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -39,26 +43,63 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to a temporary name in the same directory, fsync it, then os.replace it onto `path`."""
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def is_tmp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, durable: bool = True):
+    """Yields a temporary path in `path`'s directory for the caller to write (e.g. a ParquetWriter); on a clean exit
+    it is fsynced and renamed onto `path`, on an exception removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        if durable:
+            _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> Path:
+    """Write `data` to a temporary name in the same directory, fsync it, then os.replace it onto `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
     return path
 
 
-def atomic_write_json(path: str | os.PathLike, obj) -> Path:
-    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+def atomic_write_json(path: str | os.PathLike, obj, durable: bool = True) -> Path:
+    return atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), durable)
 
 
 def table_bytes(table: pa.Table) -> bytes:

@@ -1,19 +1,25 @@
-"""Per-prompt records of a job: output rows (Parquet), done/failed markers and live progress (JSON).
+"""Per-prompt records of a job: output rows (outputs.OutputStore), done and failed markers, live progress (JSON).
 
-The done marker is written only after the output row is durable; outputs are one file per prompt id (exactly once).
+Finishing a prompt (write_output): its output row, durable, in a part file; then its done marker; then its failed
+and live files go, and (drop_progress) its progress chunks: every token is in the durable row now (I3). Compaction
+merges parts into merged files, which are their own completion record: the done markers of merged parts go with the
+parts. A prompt is done iff its row is in a readable output file. A done marker without one ("repair" in status) is
+dropped by repair() and the prompt generated again: from its chunks if it still has them, else from the start (the
+same tokens either way: I2). Markers and live files are rebuilt after a crash, so they are written without fsync.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from specrun.storage.atomic import atomic_write_json, atomic_write_table, read_json
+from specrun.storage.atomic import atomic_write_json, read_json
 from specrun.storage.names import id_key
+from specrun.storage.outputs import Compaction, OutputStore, Scan, order_key
 from specrun.storage.schemas import OUTPUT
 
 
@@ -40,62 +46,97 @@ def output_row(prompt_id: str, token_ids: list[int], text: str, finish_reason: s
 
 
 class Records:
-    """Paths and readers/writers for outputs/, done/, failed/ and live/ of one job directory."""
+    """Paths and readers/writers for outputs/, done/, failed/, live/ and progress/ of one job directory."""
 
     def __init__(self, root: Path):
         self.root = root
         self.outputs, self.done, self.failed, self.live = (root / n for n in ("outputs", "done", "failed", "live"))
+        self.progress = root / "progress"
+        self.store = OutputStore(self.outputs)
 
     def output_path(self, prompt_id: str) -> Path:
-        return self.outputs / f"{id_key(prompt_id)}.parquet"
+        """The part file a prompt's row is written to (merged later into a merged file)."""
+        return self.store.part_path(prompt_id)
 
     def write_output(self, row: dict) -> None:
-        """Output row first (durable), then the done marker; a rerun overwrites the same file (never a duplicate)."""
+        """Output row first (durable), then the done marker; a rerun replaces the same part (never a duplicate)."""
         key = id_key(row["id"])
-        atomic_write_table(self.outputs / f"{key}.parquet", pa.Table.from_pylist([row], schema=OUTPUT))
+        self.store.write_part(row)
         atomic_write_json(self.done / f"{key}.json", {"id": row["id"], "n_tokens": row["n_tokens"],
-                                                     "output": f"outputs/{key}.parquet"})
+                                                     "output": f"outputs/{key}.parquet"}, durable=False)
         (self.failed / f"{key}.json").unlink(missing_ok=True)
         (self.live / f"{key}.json").unlink(missing_ok=True)
 
-    def output_problem(self, prompt_id: str) -> str | None:
-        """None when the prompt's output file is readable and holds its row; else what is wrong with it. Reads the
-        footer and the small id column only (cheap at any output length)."""
-        path = self.output_path(prompt_id)
-        try:
-            t = pq.read_table(path, columns=["id", "n_tokens"], schema=OUTPUT)
-        except FileNotFoundError:
-            return f"output file {path.name} is missing"
-        except Exception as e:  # truncated, not Parquet, wrong schema, I/O error
-            return f"output file {path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})"
-        if t.num_rows != 1 or t.column("id")[0].as_py() != prompt_id:
-            return f"output file {path.name} does not hold this prompt's row"
-        return None
+    def drop_progress(self, prompt_id: str) -> None:
+        """Remove a finished prompt's progress chunks: call only once its output row is durable."""
+        d = self.progress / id_key(prompt_id)
+        if d.exists():
+            shutil.rmtree(d)
 
-    def repair_marker(self, prompt_id: str) -> bool:
-        """True if the prompt is done: its output row is readable. A durable output without its marker (crash in
-        between) gets its marker; a marker without a readable output is dropped (the output moved aside as
-        `.corrupt` when present) so that the prompt is generated again from its checkpoints."""
-        marker = self.done / f"{id_key(prompt_id)}.json"
-        problem = self.output_problem(prompt_id)
-        if problem is not None:
-            if marker.exists():
-                path = self.output_path(prompt_id)
-                if path.exists():
-                    os.replace(path, path.with_name(path.name + ".corrupt"))
-                marker.unlink(missing_ok=True)
-            return False
-        if not marker.exists():
-            t = pq.read_table(self.output_path(prompt_id), columns=["n_tokens"], schema=OUTPUT)
-            atomic_write_json(marker, {"id": prompt_id, "n_tokens": t.column("n_tokens")[0].as_py(),
-                                       "output": f"outputs/{self.output_path(prompt_id).name}"})
-        return True
+    # -- before a run (the driver, under the job lock) -------------------------------------------------------------
+    def repair(self, ids: list[str]) -> Scan:
+        """Make the records agree with the readable output rows (see OutputStore.repair): markers of rows that are not
+        readable are dropped (regenerate), missing markers of parts written, markers of merged rows removed; progress
+        chunks of done prompts and every live file (no run is going on) removed. Returns the scan of done rows."""
+        keymap = {id_key(i): i for i in ids}
+        problems = self.store.repair(keymap, order_key({i: n for n, i in enumerate(ids)}))
+        scan = self.store.scan(keymap)
+        scan.problems[:0] = problems
+        markers = _keys(self.done, ".json")
+        for key in markers:
+            pid = keymap.get(key)
+            if pid is not None and pid not in scan.in_parts:
+                (self.done / f"{key}.json").unlink(missing_ok=True)
+        for pid in scan.in_parts - {keymap[k] for k in markers if k in keymap}:
+            atomic_write_json(self.done / f"{id_key(pid)}.json", {"id": pid, "n_tokens": scan.rows[pid]["n_tokens"],
+                                                                  "output": f"outputs/{id_key(pid)}.parquet"},
+                              durable=False)
+        for key in _keys(self.progress, ""):
+            if keymap.get(key) in scan.rows:
+                shutil.rmtree(self.progress / key, ignore_errors=True)
+        for key in _keys(self.live, ".json"):
+            (self.live / f"{key}.json").unlink(missing_ok=True)
+        return scan
+
+    def compact(self, ids: list[str], part_ids=None, everything: bool = False, cancel=None) -> Compaction:
+        """OutputStore.compact over this job's prompts (`ids` in input order); merged parts lose their markers."""
+        res = self.store.compact({id_key(i): i for i in ids}, order_key({i: n for n, i in enumerate(ids)}),
+                                 part_ids, everything, cancel)
+        for pid in res.merged_parts:
+            (self.done / f"{id_key(pid)}.json").unlink(missing_ok=True)
+        return res
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def scan(self, ids: list[str] | None = None, columns=("id", "n_tokens")) -> Scan:
+        return self.store.scan({id_key(i): i for i in ids or ()}, columns)
+
+    def iter_outputs(self, ids: list[str] | None = None, columns=None, problems: list | None = None,
+                     batches: bool = False):
+        """(id, 1-row table) of every finished row, in the order of `ids` (input order), streamed; with `batches`,
+        (ids, table) of several rows at a time."""
+        ids = list(ids or ())
+        yield from self.store.rows({id_key(i): i for i in ids}, order_key({i: n for n, i in enumerate(ids)}),
+                                   columns, problems, batches)
+
+    def read_outputs(self, ids: list[str] | None = None) -> pa.Table:
+        """Every finished row in one table (small jobs and tests; export streams instead)."""
+        tables = [t for _, t in self.iter_outputs(ids)]
+        return pa.concat_tables(tables) if tables else OUTPUT.empty_table()
+
+    def is_done(self, prompt_id: str) -> bool:
+        """Whether its row is in a readable output file (scans outputs/: for one-off checks, not loops)."""
+        return prompt_id in self.scan([prompt_id]).rows
+
+    def marker_keys(self) -> set[str]:
+        return _keys(self.done, ".json")
 
     def read_done(self, prompt_id: str) -> dict | None:
         return _read_or_none(self.done / f"{id_key(prompt_id)}.json")
 
-    def is_done(self, prompt_id: str) -> bool:
-        return (self.done / f"{id_key(prompt_id)}.json").exists()
+    def output_problem(self, prompt_id: str) -> str:
+        """Why a prompt with a done marker has no readable row (for status)."""
+        path = self.output_path(prompt_id)
+        return f"output file {path.name} is {'unreadable' if path.exists() else 'missing'}"
 
     def mark_failed(self, prompt_id: str, error: str, attempts: int) -> None:
         info = {"id": prompt_id, "error": error, "attempts": attempts}
@@ -110,7 +151,7 @@ class Records:
         (self.failed / f"{id_key(prompt_id)}.json").unlink(missing_ok=True)
 
     def write_live(self, prompt_id: str, info: dict) -> None:
-        atomic_write_json(self.live / f"{id_key(prompt_id)}.json", {"id": prompt_id, **info})
+        atomic_write_json(self.live / f"{id_key(prompt_id)}.json", {"id": prompt_id, **info}, durable=False)
 
     def read_live(self, prompt_id: str) -> dict | None:
         return _read_or_none(self.live / f"{id_key(prompt_id)}.json")
@@ -118,18 +159,15 @@ class Records:
     def clear_live(self, prompt_id: str) -> None:
         (self.live / f"{id_key(prompt_id)}.json").unlink(missing_ok=True)
 
-    def read_outputs(self) -> pa.Table:
-        """All finished rows (those with a done marker and a readable output), in file-name order. A marker whose
-        output is missing or unreadable is skipped (status shows it as needing repair; resume regenerates it)."""
-        tables = []
-        if self.done.is_dir():
-            for marker in sorted(self.done.glob("*.json")):
-                try:
-                    t = pq.read_table(self.outputs / f"{marker.stem}.parquet", schema=OUTPUT)
-                except Exception:
-                    continue
-                tables.append(t)
-        return pa.concat_tables(tables) if tables else OUTPUT.empty_table()
+
+def _keys(directory: Path, suffix: str) -> set[str]:
+    """File keys in a directory (names minus `suffix`; hidden names and other suffixes skipped)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return set()
+    n = len(suffix)
+    return {x[:len(x) - n] for x in names if not x.startswith(".") and x.endswith(suffix) and "." not in x[:len(x) - n]}
 
 
 def _read_or_none(path: Path) -> dict | None:

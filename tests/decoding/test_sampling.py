@@ -116,3 +116,16 @@ def test_sampler_matches_processed_distribution(penalty):
 def test_params_refuse_values_that_would_break_sampling(kw, fault):
     with pytest.raises(ValueError, match=fault):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw", [{"min_p": 0.2}, {"top_k": 3}, {}, {"top_p": 0.5}])
+def test_sparse_noise_picks_exactly_what_full_noise_rows_pick(kw):
+    from specrun.decoding.sampling import sample
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 300, generator=g, dtype=torch.float64) * 3
+    p = SamplingParams(temperature=0.9, **kw)
+    processed = process_logits(logits, None, p)
+    positions = torch.randint(0, 50, (40,), generator=g)
+    dense = choose(processed, gumbel_noise(11, positions, 300))
+    assert torch.equal(sample(processed, 11, positions), dense)

@@ -30,8 +30,8 @@ from specrun.jobs.jobdir import JobError
 from specrun.jobs.modelinfo import model_info
 from specrun.jobs.status import job_status, render_status
 from specrun.jobs.submit import JobSettings, prepare_job
-from specrun.storage.atomic import atomic_write_table
-from specrun.storage.chunks import read_progress
+from specrun.storage.atomic import atomic_write_json, atomic_write_table
+from specrun.storage.chunks import write_chunk
 from specrun.storage.schemas import PROMPTS
 
 ray = pytest.importorskip("ray")
@@ -102,29 +102,45 @@ def test_two_actor_job_equals_specrun_generate(tmp_path, model):
     assert {f: f.stat().st_mtime_ns for f in (job.root / "outputs").iterdir()} == mtimes
 
 
+def _lose_rows(job, lost: set[str]) -> None:
+    """Rewrite the outputs without the rows of `lost` (as if a storage fault had eaten them)."""
+    keep = [t for pid, t in job.records.iter_outputs(job.prompt_ids()) if pid not in lost]
+    for f in job.records.outputs.glob("*.parquet"):
+        f.unlink()
+    atomic_write_table(job.records.outputs / "merged.1.0123456789abcdef.parquet", pa.concat_tables(keep))
+
+
+def test_finished_prompts_leave_one_output_file_and_no_chunks_markers_or_live_files(tmp_path, model):
+    job = _job(tmp_path, model, [{"id": str(i), "prompt": f"p{i}"} for i in range(5)], every=4, max_tokens=12,
+               ignore_eos=True)
+    assert run_job(job, QUIET).exit_code == 0
+    left = sorted(str(f.relative_to(job.root)) for f in job.root.rglob("*") if f.is_file())
+    assert [f.split("/")[0] for f in left] == ["job.json", "outputs", "prompts.parquet", "state"], left
+    assert list(_outputs(job)) == [str(i) for i in range(5)]
+
+
 def test_corrupt_chunks_are_regenerated_and_others_left_alone(tmp_path, model):
     job = _job(tmp_path, model, [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}],
                max_tokens=120, temperature=1.0, seed=1, ignore_eos=True)
     assert run_job(job, QUIET).exit_code == 0
     ref = _outputs(job)
-    # "a" lost its output, and two of its chunks are damaged: one truncated, one overwritten with garbage
-    key = job.progress_dir("a").name
-    (job.root / "done" / f"{key}.json").unlink()
-    (job.root / "outputs" / f"{key}.parquet").unlink()
+    # "a" lost its output row, and has checkpoints (as if interrupted) of which two are damaged: one truncated, one
+    # overwritten with garbage
+    _lose_rows(job, {"a"})
+    for start in range(0, 96, 16):
+        write_chunk(job.progress_dir("a"), start, ref["a"]["token_ids"][start:start + 16])
     chunks = sorted(job.progress_dir("a").iterdir())
-    assert len(chunks) >= 4
     chunks[1].write_bytes(chunks[1].read_bytes()[:-30])
     chunks[3].write_bytes(b"not parquet")
     keep = int(chunks[1].name.split("-")[1])  # tokens before the first bad chunk
-    b_mtime = (job.root / "outputs" / f"{job.progress_dir('b').name}.parquet").stat().st_mtime_ns
 
     assert run_job(job, QUIET).exit_code == 0
     out = _outputs(job)
     assert out["a"]["token_ids"] == ref["a"]["token_ids"]
-    assert out["a"]["resumed_tokens"] == keep
+    assert out["a"]["resumed_tokens"] == keep == 16
     assert json.loads(out["a"]["stats"])["new_tokens"] == 120 - keep
-    assert (job.progress_dir("a") / (chunks[1].name + ".corrupt")).exists()
-    assert (job.root / "outputs" / f"{job.progress_dir('b').name}.parquet").stat().st_mtime_ns == b_mtime
+    assert out["b"] == ref["b"]  # untouched
+    assert not job.progress_dir("a").exists()  # done: its chunks (and the damaged ones set aside) are gone
 
 
 def test_application_error_fails_only_that_prompt(tmp_path, model):
@@ -181,6 +197,26 @@ def test_ctrl_c_checkpoints_stops_and_resume_finishes_identically(tmp_path, mode
         assert out[pid]["token_ids"] == ref[pid]
     for pid in summary.stopped:
         assert out[pid]["resumed_tokens"] >= stopped_at[pid] > 0  # stop flushed every token; none regenerated
+
+
+def test_a_driver_that_loses_its_lock_checkpoints_and_stops(tmp_path, model, capsys):
+    """JobLock.beat() found another driver's token in the lock (we were stalled past the lease): stop as on SIGTERM,
+    and leave the lock, which is not ours any more."""
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "first"}], every=16, max_tokens=400, temperature=1.0, seed=3,
+               ignore_eos=True)
+
+    def lose_the_lock_after_a_checkpoint():
+        while not list((job.root / "progress").glob("*/chunk-*")):
+            time.sleep(0.02)
+        job.lock.lost = True
+
+    threading.Thread(target=lose_the_lock_after_a_checkpoint, daemon=True).start()
+    summary = run_job(job, QUIET)
+    assert summary.interrupted and summary.stopped == ["a"] and summary.exit_code == 128 + signal.SIGTERM
+    assert "the job lock was lost" in capsys.readouterr().err
+    assert job.lock_path.exists() and job_status(job)["prompts"][0]["tokens"] >= 16
+    with pytest.raises(JobError, match="being run by another driver"):
+        run_job(job, QUIET)
 
 
 def test_second_ctrl_c_stops_at_once():
@@ -322,11 +358,14 @@ def test_a_lost_worker_whose_replacement_cannot_be_placed_fails_resumably(tmp_pa
 
 
 def test_done_marker_without_its_output_shows_repair_and_resume_regenerates_it(tmp_path, model):
+    """The output row of a finished prompt is lost after its chunks were removed: resume regenerates it from the
+    start, with the same tokens."""
     job = _job(tmp_path, model, [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}], every=8,
                max_tokens=20, ignore_eos=True)
     assert run_job(job, QUIET).exit_code == 0
     ref = _outputs(job)
-    job.records.output_path("a").unlink()  # e.g. lost by a storage fault after the marker was written
+    _lose_rows(job, {"a"})  # e.g. lost by a storage fault: its done marker says it was finished
+    atomic_write_json(job.records.done / f"{job.progress_dir('a').name}.json", {"id": "a", "n_tokens": 20})
     status = job_status(job)
     st = {r["id"]: r for r in status["prompts"]}
     assert st["a"]["state"] == "repair" and "missing" in st["a"]["error"] and st["b"]["state"] == "done"
@@ -336,8 +375,9 @@ def test_done_marker_without_its_output_shows_repair_and_resume_regenerates_it(t
     table, missing = finished_table(job)
     assert table.column("id").to_pylist() == ["b"] and missing == 1
 
-    saved = len(read_progress(job.progress_dir("a"), quarantine=False))
+    assert not job.progress_dir("a").exists()  # its chunks went when it finished
     assert run_job(job, QUIET).exit_code == 0
     out = _outputs(job)
-    assert out["a"]["token_ids"] == ref["a"]["token_ids"] and out["a"]["resumed_tokens"] == saved >= 16
-    assert job_status(job)["totals"]["done"] == 2
+    assert out["a"]["token_ids"] == ref["a"]["token_ids"] and out["a"]["resumed_tokens"] == 0
+    assert out["b"] == ref["b"] and job_status(job)["totals"]["done"] == 2
+    assert not list(job.records.done.iterdir())

@@ -88,13 +88,30 @@ BAD_LINES = [
     (_oa({"prompt": "a"}, CHAT), "body field 'prompt' is not supported by /v1/chat/completions"),
     (_oa({"model": "m"}, CHAT), "body needs 'messages' for /v1/chat/completions"),
     *[(_oa({"prompt": "a", field: value}), f"body field {field!r} is not supported")
-      for field, value in [("stop", "\n"), ("stop", ["a", "b"]), ("logit_bias", {"5": 100}), ("top_logprobs", 2),
+      for field, value in [("logit_bias", {"5": 100}), ("top_logprobs", 2),
                            ("tools", []), ("tool_choice", "auto"), ("response_format", {"type": "json_object"}),
                            ("suffix", "x"), ("stream_options", {}), ("metadata", {}), ("min_tokens", 3)]],
     *[(_oa({"prompt": "a", field: value}), f"body field {field!r} is only supported as {neutral}")
       for field, value, neutral in [("n", 2, "1"), ("best_of", 3, "1"), ("stream", True, "false"),
                                     ("echo", True, "false"), ("logprobs", 1, "false"), ("frequency_penalty", 0.5, "0"),
                                     ("presence_penalty", -1, "0")]],
+    # stop strings and stop token ids, on plain lines and in OpenAI bodies
+    ('{"prompt": "a", "stop": ""}', "stop is empty: a stop string needs at least one character"),
+    ('{"prompt": "a", "stop": ["x", ""]}', "stop[1] is empty"),
+    ('{"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}', "stop has 5 strings: at most 4"),
+    ('{"prompt": "a", "stop": ["x", 3]}', "stop[1] must be a string, got int"),
+    ('{"prompt": "a", "stop": {"x": 1}}', "stop must be a string or a list of strings, got dict"),
+    ('{"prompt": "a", "stop": null}', "stop must be a string or a list of strings, got NoneType"),
+    ('{"prompt": "a", "stop": "\ufffd"}', "stop holds U+FFFD"),
+    ('{"prompt": "a", "stop_token_ids": [5, 9999]}', "stop_token_ids holds 9999: token ids must be integers in "
+                                                     "[0, 259)"),
+    ('{"prompt": "a", "stop_token_ids": [-1]}', "stop_token_ids holds -1: token ids are integers >= 0"),
+    ('{"prompt": "a", "stop_token_ids": [1.0]}', "stop_token_ids holds 1.0"),
+    ('{"prompt": "a", "stop_token_ids": 5}', "stop_token_ids must be a list of integers, got int"),
+    (_oa({"prompt": "a", "stop": ""}), "stop is empty"),
+    (_oa({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}), "stop has 5 strings: at most 4"),
+    (_oa({"prompt": "a", "stop": 7}), "stop must be a string or a list of strings, got int"),
+    (_oa({"prompt": "a", "stop_token_ids": [300]}), "stop_token_ids holds 300"),
 ]
 
 
@@ -215,6 +232,32 @@ def test_openai_fields_at_their_neutral_value_or_null_are_accepted(info, tmp_pat
         ("c", (5, 6), 9, 4, {"seed": 4})]
 
 
+def test_stop_and_stop_token_ids_on_lines_and_openai_bodies(info, tmp_path):
+    path = _write(tmp_path, [
+        '{"id": "plain", "prompt": "a", "stop": "\\n\\n"}',
+        '{"id": "list", "prompt": "a", "stop": ["END", "###"], "stop_token_ids": [257, 10]}',
+        '{"id": "none", "prompt": "a", "stop": []}',
+        '{"id": "job", "prompt": "a"}',
+        _oa({"prompt": "a", "stop": "\n"}, custom_id="oa-str"),
+        _oa({"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "yz"], "stop_token_ids": [3]}, CHAT,
+            custom_id="oa-list"),
+        _oa({"prompt": "a", "stop": None}, custom_id="oa-null"),
+    ])
+    recs = {r.id: r for r in _read(info, path, stop=["JOB"], stop_token_ids=[7])}
+    got = {pid: (r.params.stop, r.params.stop_token_ids) for pid, r in recs.items()}
+    assert got == {"plain": (("\n\n",), (7,)), "list": (("END", "###"), (257, 10)), "none": ((), (7,)),
+                   "job": (("JOB",), (7,)), "oa-str": (("\n",), (7,)), "oa-list": (("x", "yz"), (3,)),
+                   "oa-null": (("JOB",), (7,))}  # a line's own list replaces the job's (--stop, --stop-token-id)
+    assert recs["plain"].overrides == {"stop": ["\n\n"]} and recs["job"].overrides == {}
+    assert recs["oa-list"].overrides == {"stop": ["x", "yz"], "stop_token_ids": [3]}
+
+
+def test_a_job_stop_token_id_outside_the_vocabulary_is_refused_once(info, tmp_path):
+    path = _write(tmp_path, ['{"prompt": "a"}', '{"prompt": "b"}'])
+    with pytest.raises(ValueError, match=r"^--stop-token-id holds 259: token ids must be integers in \[0, 259\)$"):
+        _read(info, path, stop_token_ids=[259])
+
+
 def test_derived_seeds_differ_per_id_and_are_stable():
     assert derive_seed(0, "a") == derive_seed(0, "a") != derive_seed(0, "b")
     assert derive_seed(0, "a") != derive_seed(1, "a")
@@ -240,9 +283,18 @@ def test_cli_submit_with_bad_input_exits_nonzero_and_writes_nothing(tiny_models,
     ("--checkpoint-seconds", "nan", "Invalid value for '--checkpoint-seconds': nan is not a finite number"),
     ("--checkpoint-seconds", "inf", "Invalid value for '--checkpoint-seconds': inf is not a finite number"),
     ("--gpus-per-actor", "inf", "Invalid value for '--gpus-per-actor': inf is not a finite number"),
+    ("--stop", "", "stop is empty"),
+    ("--stop-token-id", "-2", "stop_token_ids holds -2"),
 ])
 def test_cli_submit_bad_flag_value_is_named(tiny_models, tmp_path, flag, value, reason):
     path = _write(tmp_path, ['{"prompt": "ok"}'])
     r = CliRunner().invoke(main, ["submit", str(path), "--max-tokens", "8", flag, value,
                                   "--model", tiny_models["llama_mha"], "--job-dir", str(tmp_path / "j")])
     assert r.exit_code == 2 and reason in r.output and not (tmp_path / "j").exists(), r.output
+
+
+def test_cli_submit_stop_token_id_outside_the_vocabulary_is_named(tiny_models, tmp_path):
+    path = _write(tmp_path, ['{"prompt": "ok"}'])
+    r = CliRunner().invoke(main, ["submit", str(path), "--max-tokens", "8", "--stop-token-id", "9999",
+                                  "--model", tiny_models["llama_mha"], "--job-dir", str(tmp_path / "j")])
+    assert r.exit_code == 1 and "--stop-token-id holds 9999" in r.output and not (tmp_path / "j").exists(), r.output

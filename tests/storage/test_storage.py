@@ -167,29 +167,44 @@ def test_records_output_then_marker_and_repair(tmp_path):
                      prompt_tokens=4, resumed_tokens=1, attempts=1)
     rec.mark_failed("a/b", "boom", 1)
     rec.write_output(row)
-    assert rec.is_done("a/b") and rec.failure("a/b") is None
+    assert rec.is_done("a/b") and rec.failure("a/b") is None and rec.read_done("a/b")["n_tokens"] == 3
     t = rec.read_outputs()
     assert t.schema.equals(OUTPUT) and t.column("id").to_pylist() == ["a/b"]
     assert t.column("distinct_1").to_pylist() == [1.0]
     # a crash between the output row and its marker: the marker is restored from the durable row
     next(iter(rec.done.iterdir())).unlink()
-    assert not rec.is_done("a/b")
-    assert rec.repair_marker("a/b") and rec.is_done("a/b")
-    assert not rec.repair_marker("never-ran")
+    scan = rec.repair(["a/b", "never-ran"])
+    assert set(scan.rows) == {"a/b"} and scan.in_parts == {"a/b"} and rec.read_done("a/b")["n_tokens"] == 3
+    assert not rec.is_done("never-ran")
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def flip_last_page(path, row_group: int = 0, column: int = 1):
+    """Flip one bit near the end of a column chunk (token_ids): inside its last page's data, which the page checksum
+    covers (a column chunk's pages start at its dictionary page, when it has one)."""
+    col = pq.ParquetFile(path).metadata.row_group(row_group).column(column)
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start + col.total_compressed_size - 3] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "bit flip"])
 def test_done_marker_without_a_readable_output_is_dropped_for_regeneration(tmp_path, damage):
     rec = Records(tmp_path)
     for pid in ("a", "b"):
-        rec.write_output(output_row(pid, [1, 2], "xy", "length", {}, prompt_tokens=1, resumed_tokens=0, attempts=1))
+        rec.write_output(output_row(pid, list(range(300)), "xy", "length", {}, prompt_tokens=1, resumed_tokens=0,
+                                    attempts=1))
     out = rec.output_path("a")
     if damage == "missing":
         out.unlink()
-    else:
+    elif damage == "truncated":
         out.write_bytes(out.read_bytes()[:-40])
-    assert "a" not in rec.read_outputs().column("id").to_pylist()  # export skips it instead of crashing
-    assert rec.output_problem("a") and rec.output_problem("b") is None
-    assert not rec.repair_marker("a") and not rec.is_done("a")  # resume regenerates it
-    assert rec.repair_marker("b") and rec.is_done("b")
-    assert out.with_name(out.name + ".corrupt").exists() == (damage == "truncated")
+    else:
+        flip_last_page(out)
+    problems = []
+    assert [i for i, _ in rec.iter_outputs(["a", "b"], problems=problems)] == ["b"]  # export skips it, no crash
+    assert bool(problems) == (damage != "missing")
+    scan = rec.repair(["a", "b"])  # reads every file in full: resume regenerates "a"
+    assert set(scan.rows) == {"b"} and rec.read_done("a") is None and rec.read_done("b") is not None
+    assert out.with_name(out.name + ".corrupt").exists() == (damage != "missing")
+    assert bool(scan.problems) == (damage != "missing")

@@ -1,0 +1,94 @@
+"""The driver's worker slots: starting (placed once `ping` answers, ready once `load` returns, each with a deadline) ->
+idle <-> busy; a lost worker is relaunched; one past a deadline, or failing to start, is dropped with a warning, and
+with none left the run ends with a JobError naming what is missing (the job stays resumable).
+
+A mixin of jobs.driver._Driver (it uses self.spec, self.gpus, self.opts, self.display, self.job and the slot dicts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specrun.jobs.jobdir import JobError
+
+
+@dataclass
+class _Start:
+    """A worker actor on its way up: placed once `ping` answers, ready once `load` returns."""
+    ping: object
+    load: object
+    t0: float
+    placed_at: float | None = None
+    what: str = "worker"
+
+    def pending(self):
+        return self.ping if self.placed_at is None else self.load
+
+
+
+class _Slots:
+    def _launch(self, slot: int, what: str = "worker") -> None:
+        from specrun.actors.pool import start_worker
+
+        w = start_worker(self.spec, slot, self.gpus)
+        self.workers[slot] = w
+        self.starting[slot] = _Start(w.ping.remote(), w.load.remote(), time.monotonic(), what=what)
+
+    def _drop(self, slot: int, who: str, why: str) -> None:
+        """Give up on a slot's worker; with none left the loop raises _no_worker_error (which says why)."""
+        import ray
+
+        ray.kill(self.workers.pop(slot), no_restart=True)
+        self.starting.pop(slot, None)
+        self.dropped[slot] = (who, why)
+        if self.workers:
+            self.display.warn(f"{who} {why}; going on with {len(self.workers)} worker(s)")
+
+    def _poll_starting(self) -> None:
+        """Moves workers that are up to idle; drops those past their placement or load deadline, or that failed."""
+        import ray
+
+        from specrun.actors.pool import describe_resources
+
+        now = time.monotonic()
+        for slot, st in list(self.starting.items()):
+            who = f"{st.what} {slot}"
+            try:
+                if st.placed_at is None:
+                    if ray.wait([st.ping], timeout=0)[0]:
+                        ray.get(st.ping, timeout=0)
+                        st.placed_at = now
+                    elif now - st.t0 > self.opts.place_timeout_s:
+                        self._drop(slot, who, f"could not be placed on the Ray cluster within "
+                                              f"{self.opts.place_timeout_s:g} s: {describe_resources(self.gpus)}")
+                        continue
+                if st.placed_at is not None:
+                    if ray.wait([st.load], timeout=0)[0]:
+                        info = ray.get(st.load, timeout=0)
+                        del self.starting[slot]
+                        self.idle.append(slot)
+                        if info.get("hot_start"):
+                            self.display.log(f"{who}: recycling matrix warm from {info['hot_start']}")
+                    elif now - st.placed_at > self.opts.load_timeout_s:
+                        self._drop(slot, who, f"did not load the model within {self.opts.load_timeout_s:g} s "
+                                              f"(RunOptions.load_timeout_s)")
+            except ray.exceptions.RayError as e:  # died while starting, or the model failed to load
+                self._drop(slot, who, f"failed while starting: {_cause(e)}")
+
+    def _no_worker_error(self) -> JobError:
+        by_why: dict[tuple[str, str], list[int]] = {}
+        for slot, (who, why) in self.dropped.items():
+            by_why.setdefault((who.rsplit(" ", 1)[0], why), []).append(slot)
+        whys = "; ".join(f"{kind} {', '.join(map(str, slots))} {why}" for (kind, why), slots in by_why.items())
+        return JobError(f"the generation workers could not start: {whys}. Checkpointed tokens are kept; "
+                        f"`specrun resume {self.job.root}` continues the job")
+
+
+
+def _cause(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__

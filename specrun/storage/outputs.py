@@ -1,0 +1,316 @@
+"""outputs/ of a job: every finished row (schemas.OUTPUT) exactly once (I4), in a few Parquet files with row groups.
+
+Files:
+  <key>.parquet                    a part: one prompt's row, written (durably) by the driver when the prompt finished
+                                   (key = names.id_key(id)), before its done marker (I3)
+  merged.<level>.<16 hex>.parquet  many rows in input order, in row groups, written by a compaction
+Compaction (the driver only, under the job lock, one at a time) writes a merged file completely and durably, and only
+then removes the files it replaces: at every instant each row is in at least one complete file. Parts merge into a
+level-1 file, FANOUT files of one level into one of the next, and when every prompt is done everything into one.
+
+Readers (export, status, the driver) take a snapshot: list the directory, open the merged files and read their id
+columns, list again, and start over if a merged file appeared meanwhile (a compaction ran: its output is then in the
+snapshot, so nothing it removed is missed). Parts are opened only when their row is read; one gone by then was
+compacted away, and the read resumes on a new snapshot after the last row it gave out. Rows come out in input order,
+each id once: never twice, never missed.
+
+outputs/*.parquet is a plain Parquet dataset (pyarrow, pandas, duckdb): after a run each row is in it once; while a
+compaction runs (or after a crash inside one, until the next run) a row can be in two files, so read a running job
+through `specrun export` (or dedupe on id).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from specrun.storage.atomic import is_tmp_name
+from specrun.storage.names import id_key
+from specrun.storage.rowfiles import Source, merge_batches, merge_rows, open_parquet, row_writer
+from specrun.storage.schemas import OUTPUT
+
+PART = re.compile(r"^([A-Za-z0-9_-]+-[0-9a-f]{16})\.parquet$")
+MERGED = re.compile(r"^merged\.(\d+)\.[0-9a-f]{16}\.parquet$")
+PARTS_PER_MERGE = 256  # the driver merges parts once this many have accumulated
+FANOUT = 8  # this many merged files of one level are merged into one of the next
+SNAPSHOT_TRIES = 50
+
+
+def order_key(order: dict[str, int]):
+    """key(id) for merging by input position (ids not in `order` last, by id)."""
+    n = len(order)
+    return lambda pid: (order.get(pid, n), pid)
+
+
+@dataclass
+class Snapshot:
+    sources: list[Source]
+    problems: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+
+
+@dataclass
+class Scan:
+    rows: dict[str, dict]  # id -> the requested columns of its row, for every readable row
+    in_parts: set[str]  # ids whose row is (only) in a part file
+    problems: list[str]
+
+
+@dataclass
+class Compaction:
+    files_in: int = 0
+    rows: int = 0
+    merged_parts: list[str] = field(default_factory=list)  # ids whose part file was merged (and removed)
+    lost: list[str] = field(default_factory=list)  # ids whose row could not be read: not done any more
+    problems: list[str] = field(default_factory=list)
+
+
+def _set_aside(path: Path, suffix: str = ".corrupt") -> None:
+    try:
+        os.replace(path, path.with_name(path.name + suffix))
+    except FileNotFoundError:
+        pass
+
+
+class OutputStore:
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+
+    def part_path(self, prompt_id: str) -> Path:
+        return self.dir / f"{id_key(prompt_id)}.parquet"
+
+    def write_part(self, row: dict) -> Path:
+        """One prompt's row, durable when this returns; a rerun replaces the same file (never a second row)."""
+        path = self.part_path(row["id"])
+        with row_writer(path, OUTPUT) as w:
+            w.add(pa.Table.from_pylist([row], schema=OUTPUT))
+        return path
+
+    def _list(self) -> tuple[dict[str, Path], list[tuple[int, Path]]]:
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return {}, []
+        parts, merged = {}, []
+        for n in names:
+            if m := PART.match(n):
+                parts[m.group(1)] = self.dir / n
+            elif m := MERGED.match(n):
+                merged.append((int(m.group(1)), self.dir / n))
+        return parts, sorted(merged)
+
+    def snapshot(self, keymap: dict[str, str], set_aside: bool = False) -> Snapshot:
+        """The files of outputs/ as of one consistent moment (see the module doc). keymap: file key -> prompt id (a
+        part whose key is not in it is opened to read its id). set_aside: move unreadable merged files to .corrupt."""
+        for _ in range(SNAPSHOT_TRIES):
+            parts, merged = self._list()
+            snap, complete = Snapshot([]), True
+            for level, path in merged:
+                try:
+                    pf = open_parquet(path)
+                    ids = pf.read(columns=["id"]).column(0).to_pylist()
+                except FileNotFoundError:
+                    complete = False
+                    break
+                except Exception as e:  # truncated, not Parquet, checksum: its rows are not done
+                    snap.problems.append(f"{path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
+                    if set_aside:
+                        _set_aside(path)
+                    continue
+                snap.sources.append(Source(path, ids, pf, level))
+            if complete:
+                complete = not {p for _, p in self._list()[1]} - {p for _, p in merged}
+            if not complete:
+                snap.close()
+                continue
+            for key, path in parts.items():
+                pid = keymap.get(key)
+                if pid is None:
+                    try:
+                        with open_parquet(path) as pf:
+                            pid = pf.read(columns=["id"]).column(0)[0].as_py()
+                    except Exception as e:
+                        snap.problems.append(f"{path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
+                        if set_aside:
+                            _set_aside(path)
+                        continue
+                snap.sources.append(Source(path, [pid]))
+            return snap
+        raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
+
+    def rows(self, keymap: dict[str, str], key, columns=None, problems: list | None = None, batches: bool = False):
+        """Yields (id, 1-row table) for every readable row, in key order, each id once; unreadable rows are skipped
+        and described in `problems`. With `batches`, (ids, table) of rows that follow each other in one row group.
+        Memory: the id columns, plus a row group per file being read."""
+        last = None
+        merge = merge_batches if batches else merge_rows
+        for _ in range(SNAPSHOT_TRIES):
+            snap = self.snapshot(keymap)
+            try:
+                for k, pid, t in merge(snap.sources, key, columns, after=last):
+                    last = k
+                    yield pid, t
+            except FileNotFoundError:  # a part was compacted away: its row is in a newer merged file
+                continue
+            finally:
+                snap.close()
+            if problems is not None:
+                problems.extend(snap.problems)
+                problems.extend(f"{s.path.name}: {b}" for s in snap.sources for b in s.bad)
+            return
+        raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
+
+    def scan(self, keymap: dict[str, str], columns=("id", "n_tokens")) -> Scan:
+        """Small columns of every readable row (not token_ids or text unless asked): cheap for status and the
+        driver. A file is readable here when its footer and these columns are."""
+        cols = list(dict.fromkeys(["id", *columns]))
+        for _ in range(SNAPSHOT_TRIES):
+            snap = self.snapshot(keymap)
+            found, in_parts = {}, set()
+            try:
+                for src in sorted(snap.sources, key=lambda s: -s.level):  # merged first
+                    try:
+                        if src.pf is not None:
+                            rows = src.pf.read(columns=cols).to_pylist()
+                        else:
+                            with open_parquet(src.path) as pf:
+                                rows = pf.read(columns=cols).to_pylist()
+                            if len(rows) != 1 or rows[0]["id"] != src.ids[0]:
+                                raise ValueError("it does not hold the row its name says")
+                    except FileNotFoundError:
+                        raise
+                    except Exception as e:
+                        snap.problems.append(f"{src.path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
+                        continue
+                    for r in rows:
+                        if r["id"] not in found:
+                            found[r["id"]] = r
+                            if src.level == 0:
+                                in_parts.add(r["id"])
+            except FileNotFoundError:
+                continue
+            finally:
+                snap.close()
+            return Scan(found, in_parts, snap.problems)
+        raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
+
+    # -- the driver only, under the job lock ---------------------------------------------------------------------
+    def repair(self, keymap: dict[str, str], key) -> list[str]:
+        """Before a run: remove temporaries of killed writers, read every file in full (page checksums), move
+        unreadable parts and merged files aside (`.corrupt`, keeping the readable rows of a merged file in a new
+        one), and remove parts already in a merged file. Afterwards every row scan() finds is readable."""
+        if self.dir.is_dir():
+            for n in os.listdir(self.dir):
+                if is_tmp_name(n):
+                    (self.dir / n).unlink(missing_ok=True)
+        snap = self.snapshot(keymap, set_aside=True)
+        problems, res = list(snap.problems), Compaction()
+        covered = set()
+        for src in (s for s in snap.sources if s.level > 0):
+            for g in range(src.pf.metadata.num_row_groups):
+                try:
+                    src.pf.read_row_group(g)
+                except Exception as e:
+                    src.bad.append(f"row group {g}: {type(e).__name__}: {str(e)[:200]}")
+            if src.bad:  # keep what can be read in a new file; the rest is regenerated
+                problems.append(f"{src.path.name}: {'; '.join(src.bad)}")
+                src.bad.clear()  # found again by the merge, which then moves the file aside
+                kept = self._merge([src], src.level, key, res)
+                if kept is not None:
+                    kept.close()
+                    covered.update(kept.ids)
+            else:
+                covered.update(src.ids)
+        for src in (s for s in snap.sources if s.level == 0):
+            if src.ids[0] in covered:
+                src.path.unlink(missing_ok=True)
+                continue
+            try:
+                with open_parquet(src.path) as pf:
+                    t = pf.read()
+                ok = t.num_rows == 1 and t.column("id")[0].as_py() == src.ids[0]
+                err = "it does not hold the row its name says"
+            except Exception as e:
+                ok, err = False, f"{type(e).__name__}: {str(e)[:200]}"
+            if not ok:
+                problems.append(f"{src.path.name} is unreadable ({err})")
+                _set_aside(src.path)
+        snap.close()
+        return problems + res.problems
+
+    def compact(self, keymap: dict[str, str], key, part_ids=None, everything: bool = False, cancel=None,
+                fanout: int | None = None) -> Compaction:
+        """Merge the parts of `part_ids` (None: every part) into a level-1 file, then FANOUT files of a level into
+        one of the next; with `everything`, leave one file. Inputs are removed only after the output is durable."""
+        res, fanout = Compaction(), fanout or FANOUT
+        snap = self.snapshot(keymap)
+        merged = [s for s in snap.sources if s.level > 0]
+        covered = {i for s in merged for i in s.ids}
+        wanted = None if part_ids is None else {id_key(i) for i in part_ids}
+        fresh = []
+        for s in (s for s in snap.sources if s.level == 0):
+            if wanted is not None and id_key(s.ids[0]) not in wanted:
+                continue
+            if s.ids[0] in covered:  # a crash between a merge and its removals left it
+                s.path.unlink(missing_ok=True)
+                res.merged_parts.append(s.ids[0])
+            else:
+                fresh.append(s)
+        try:
+            if fresh:
+                merged.append(self._merge(fresh, 1, key, res, cancel))
+            while True:
+                merged = [s for s in merged if s is not None]
+                levels: dict[int, list[Source]] = {}
+                for s in merged:
+                    levels.setdefault(s.level, []).append(s)
+                full = [lv for lv, ss in sorted(levels.items()) if len(ss) >= fanout]
+                if full:
+                    group = levels[full[0]]
+                elif everything and len(merged) > 1:
+                    group = merged
+                else:
+                    break
+                out = self._merge(group, max(s.level for s in group) + 1, key, res, cancel)
+                merged = [s for s in merged if s not in group] + [out]
+        finally:
+            for s in merged:
+                if s is not None:
+                    s.close()
+            snap.close()
+        return res
+
+    def _merge(self, sources: list[Source], level: int, key, res: Compaction, cancel=None) -> Source | None:
+        """Write the rows of `sources` into one new merged file, durably, then remove them (an unreadable one is
+        moved aside instead); returns the new file as a Source (None if no row was readable)."""
+        path = self.dir / f"merged.{level}.{uuid.uuid4().hex[:16]}.parquet"
+        written: list[str] = []
+        with row_writer(path, OUTPUT) as w:
+            for _, pids, t in merge_batches(sources, key, cancel=cancel):
+                w.add(t)
+                written.extend(pids)
+        done = set(written)
+        res.lost.extend(sorted({i for s in sources for i in s.ids} - done))
+        res.rows += len(written)
+        res.files_in += len(sources)
+        for s in sources:
+            s.close()
+            if s.bad:
+                res.problems.append(f"{s.path.name}: {'; '.join(s.bad)} (moved aside as .corrupt)")
+                _set_aside(s.path)
+            else:
+                s.path.unlink(missing_ok=True)
+                if s.level == 0:
+                    res.merged_parts.append(s.ids[0])
+        if not written:
+            path.unlink(missing_ok=True)
+            return None
+        return Source(path, written, open_parquet(path), level)
