@@ -7,6 +7,12 @@ actor must be placed within RunOptions.place_timeout_s and load its model within
 misses its deadline is dropped with a warning; with none left the run ends with a JobError naming the missing
 resource), and a stop waits at most stop_timeout_s for running prompts to checkpoint. A JobError leaves the job
 resumable.
+
+Scale: the run starts from one scan of the outputs (Records.repair); after that, every event (a prompt finished,
+failed or was lost) costs O(1): counters, never a pass over the prompts. A finished prompt's row is written durably,
+then its done marker, then its progress chunks are removed (I3); parts are merged in the background (compaction.py)
+and, once every prompt is done, into one output file. The driver keeps no token ids of its own: the prompts' stay in
+Arrow until dispatched. If the job lock is lost (storage/lock.py), the run stops as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,55 +22,19 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from specrun.actors.worker import WorkerSpec
 from specrun.jobs.compaction import Compactor
-from specrun.jobs.interrupts import _Interrupts, _SafeDisplay  # noqa: F401 (_Interrupts: tests)
+from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.progress import Display
+from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, RunSummary  # noqa: F401
 from specrun.jobs.slots import _cause, _Slots, _Start
 from specrun.storage.chunks import read_progress
 from specrun.storage.records import output_row
 
 REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
 SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
-
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 128 + signal.SIGINT  # a stop by signal S exits 128 + S
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    actors: int | None = None  # None: 1 on CPU, one per GPU in the cluster on CUDA
-    address: str | None = None
-    gpus_per_actor: float = 1.0  # used when the job's device is cuda
-    max_attempts: int = 3
-    hot_start: tuple[str, ...] = ()
-    quiet: bool = False
-    model_path: str | None = None  # where the model lives now (default: the manifest's path)
-    poll_s: float = 0.25
-    connect_timeout_s: float = 30.0  # --address: the Ray head must answer within this
-    place_timeout_s: float = 60.0  # a worker actor must be placed (resources granted, process up) within this
-    load_timeout_s: float = 1800.0  # ... and have loaded its model within this once placed
-    stop_timeout_s: float = 60.0  # on Ctrl-C/SIGTERM/SIGHUP: longest wait for running prompts to checkpoint
-
-
-@dataclass
-class RunSummary:
-    done: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    stopped: list[str] = field(default_factory=list)
-    interrupted: bool = False
-    stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
-
-    @property
-    def exit_code(self) -> int:
-        if self.failed:
-            return EXIT_FAILED
-        if self.interrupted:
-            return 128 + (self.stop_signal or signal.SIGINT)
-        return EXIT_OK
-
 
 def run_job(job: JobDir, opts: RunOptions) -> RunSummary:
     """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock."""
@@ -82,7 +52,8 @@ class _Driver(_Slots):
     def __init__(self, job: JobDir, opts: RunOptions):
         self.job, self.opts, self.rec = job, opts, job.records
         self.manifest = job.manifest()
-        self.prompts = {p.id: p for p in job.prompts()}
+        infos, self.input_ids = job.prompt_infos()  # token ids stay in Arrow until a prompt is dispatched
+        self.prompts = {p.id: p for p in infos}
         self.summary = RunSummary()
         self.attempts: dict[str, int] = {}
         self.done_tokens = 0
@@ -112,7 +83,7 @@ class _Driver(_Slots):
             if not todo:
                 self.display.log(f"all {len(self.prompts)} prompts of {self.job.root} are done")
             else:
-                todo.sort(key=lambda p: len(p.input_ids) + p.params.max_tokens, reverse=True)  # longest first
+                todo.sort(key=lambda p: p.n_input + p.params.max_tokens, reverse=True)  # longest first
                 self._run_ray(deque(todo))
         except KeyboardInterrupt:  # stop at once
             self.compactor.cancel()
@@ -269,8 +240,8 @@ class _Driver(_Slots):
         while self.idle and queue and not stopping:
             slot, p = self.idle.pop(0), queue.popleft()
             self.attempts[p.id] = self.attempts.get(p.id, 0) + 1
-            task = {"id": p.id, "input_ids": list(p.input_ids), "params": dataclasses.asdict(p.params),
-                    "resume_from": read_progress(self.job.progress_dir(p.id))}
+            task = {"id": p.id, "input_ids": self.input_ids[p.row].as_py(),
+                    "params": dataclasses.asdict(p.params), "resume_from": read_progress(self.job.progress_dir(p.id))}
             inflight[self.workers[slot].generate.remote(task)] = (slot, p.id)
 
     def _finish(self, res: dict) -> None:
@@ -283,7 +254,7 @@ class _Driver(_Slots):
         p = self.prompts[pid]
         try:
             self.rec.write_output(output_row(pid, res["token_ids"], res["text"], res["finish_reason"], res["stats"],
-                                             prompt_tokens=len(p.input_ids), resumed_tokens=res["resumed_tokens"],
+                                             prompt_tokens=p.n_input, resumed_tokens=res["resumed_tokens"],
                                              attempts=self.attempts[pid]))
         except OSError as e:  # disk full, stale handle: the prompt is not done; its checkpoints are kept
             self._fail(pid, f"could not write its output row: {type(e).__name__}: {e}")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 import os
 import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from specrun.decoding.sampling import SamplingParams
@@ -25,6 +27,15 @@ from specrun.storage.schemas import PROMPTS
 
 # manifest entries that change the generated tokens: they must match to resume
 OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "params")
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    id: str
+    line: int
+    n_input: int  # prompt tokens
+    params: SamplingParams
+    row: int  # position in prompts.parquet (input order)
 
 
 class JobError(Exception):
@@ -66,6 +77,16 @@ class JobDir:
         return [PromptRecord(r["id"], r["line"], r["text"], tuple(r["input_ids"]), json.loads(r["overrides"]),
                              SamplingParams(**json.loads(r["params"]))) for r in t.to_pylist()]
 
+    def prompt_infos(self) -> tuple[list[PromptInfo], pa.ChunkedArray]:
+        """What the driver keeps per prompt (no token ids, no text), and the input_ids column as Arrow (4 bytes a
+        token, not a Python int each): PromptInfo.row indexes it."""
+        t = pq.read_table(self.prompts_path, columns=["id", "line", "input_ids", "params"], schema=PROMPTS)
+        lens = pc.list_value_length(t.column("input_ids")).to_pylist()
+        infos = [PromptInfo(pid, line, n, SamplingParams(**json.loads(params)), row) for row, (pid, line, n, params)
+                 in enumerate(zip(t.column("id").to_pylist(), t.column("line").to_pylist(), lens,
+                                  t.column("params").to_pylist()))]
+        return infos, t.column("input_ids")
+
     def prompt_ids(self) -> list[str]:
         """The prompts' ids in input order (reads one column)."""
         return pq.read_table(self.prompts_path, columns=["id"], schema=PROMPTS).column("id").to_pylist()
@@ -105,12 +126,19 @@ def manifest_differences(old: dict, new: dict) -> list[str]:
     for key in OUTPUT_KEYS:
         a, b = _get(old, key), _get(new, key)
         if isinstance(a, dict) and isinstance(b, dict):
+            # a field added to SamplingParams after the job was written stands at its default there
+            defaults = _param_defaults() if key == "params" else {}
             for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    out.append(f"{key}.{k}: job has {a.get(k)!r}, now {b.get(k)!r}")
+                va, vb = a.get(k, defaults.get(k)), b.get(k, defaults.get(k))
+                if va != vb:
+                    out.append(f"{key}.{k}: job has {va!r}, now {vb!r}")
         elif a != b:
             out.append(f"{key}: job has {a!r}, now {b!r}")
     return out
+
+
+def _param_defaults() -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(SamplingParams())))  # as manifests store them (lists, not tuples)
 
 
 def _get(d: dict, dotted: str):

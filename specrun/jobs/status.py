@@ -40,7 +40,7 @@ def job_status(job: JobDir) -> dict:
     owner = job.lock_owner()
     driver_up = job.driver_alive()
     rec = job.records
-    prompts = job.prompts()
+    prompts, _ = job.prompt_infos()
     # listed before the outputs are read: a marker seen here had its row durable before, so the scan finds it
     markers, failed, live, progress = (_names(d) for d in (rec.done, rec.failed, rec.live, rec.progress))
     outputs = rec.scan([p.id for p in prompts], OUT_COLUMNS).rows

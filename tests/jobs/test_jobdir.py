@@ -145,3 +145,13 @@ def test_plain_progress_lines_and_quiet(capsys):
     q.log("hidden")
     assert capsys.readouterr().out == ""
     assert Display.choose_mode(quiet=True) == "quiet"
+
+
+def test_params_added_later_count_at_their_default_in_an_old_manifest():
+    from specrun.jobs.jobdir import manifest_differences
+
+    new = {"params": {"temperature": 0.0, "stop": [], "stop_token_ids": []}}
+    old = {"params": {"temperature": 0.0}}  # written before stop rules existed
+    assert manifest_differences(old, new) == []
+    assert manifest_differences(old, {"params": {"temperature": 0.0, "stop": ["x"]}}) == [
+        "params.stop: job has [], now ['x']"]
