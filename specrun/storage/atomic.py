@@ -80,22 +80,9 @@ def atomic_path(path: str | os.PathLike, durable: bool = True):
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> Path:
     """Write `data` to a temporary name in the same directory, fsync it, then os.replace it onto `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        _fsync_dir(path.parent)
-    return path
+    with atomic_path(path, durable) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
 
 
 def atomic_write_json(path: str | os.PathLike, obj, durable: bool = True) -> Path:
