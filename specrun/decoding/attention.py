@@ -34,6 +34,9 @@ class ForwardContext:
     backend: str = "sdpa"  # one of BACKENDS; the prefix [0, start) is always fully visible to the new tokens
     _grouped: torch.Tensor | None = None
 
+    def attend(self, layer: int, q, k, v, scaling):
+        return attention(self, layer, q, k, v, scaling)
+
     def group_mask(self, G: int) -> torch.Tensor:
         """The mask repeated for G query heads per KV head, built once per forward. # -> [G*T, start+T] bool"""
         if self._grouped is None:

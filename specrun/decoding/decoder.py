@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.attention import ForwardContext, attention
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 # config fields that change the computation in ways this forward does not implement: (field, applies(value))
@@ -108,8 +107,11 @@ class FusedDecoder:
         self.inter = self.layers[0].gate_up_w.shape[0] // 2
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """# tokens, positions: [T] long -> hidden: [T, H] (after the final norm)"""
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """ctx: ForwardContext (one sequence) or BatchContext (packed sequences); both attend(layer, q, k, v, scaling).
+
+        # tokens, positions: [T] long -> hidden: [T, H] (after the final norm)
+        """
         x = self.embed(tokens)  # [T, H]
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
@@ -122,8 +124,8 @@ class FusedDecoder:
             if L.q_norm is not None:
                 q, k = L.q_norm(q), L.k_norm(k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            out = attention(ctx, i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                            L.scaling)  # [1, T, Hq, D]
+            out = ctx.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                             L.scaling)  # [1, T, Hq, D]
             x = x + L.o(out.reshape(T, nq * D))
             gu = F.linear(L.ln2(x), L.gate_up_w, L.gate_up_b)  # [T, 2I]
             x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])

@@ -18,12 +18,11 @@ from specrun.decoding.drafters import (
 )
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
-from specrun.decoding.penalty import PenaltyWindow
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams, choose, process_logits, sample
+from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
-from specrun.decoding.stops import StopMatcher
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
 
@@ -78,19 +77,6 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-@dataclass
-class _State:
-    """One generation in flight: the committed sequence and where the noise/stop rules stand."""
-
-    seq: torch.Tensor  # [capacity] long; seq[:n] committed, seq[n-1] is the root (its K/V not yet cached)
-    n: int
-    prompt_len: int
-    out: list[int]  # generated tokens (Python list: emitting appends, never rescans)
-    stop_ids: frozenset  # params.stop_token_ids
-    stops: StopMatcher | None  # params.stop over the text of `out`
-    stop_hit: bool = False  # the last token of `out` completed a stop string
-
-
 class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), heads: DraftHeads | None = None):
         self.lm = lm
@@ -118,6 +104,7 @@ class Engine:
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)
         self.tuner = BudgetTuner(config.trie_budget) if self.drafters and config.adaptive_budget else None
+        self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
 
     # -- the recipe ---------------------------------------------------------------------------------------------
     def generate(
@@ -128,18 +115,15 @@ class Engine:
         on_step: Callable[[list[int]], bool] | None = None,
     ) -> GenerationResult:
         st = self._start(prompt_ids, params, list(resume_from))
-        stats = GenStats(tuple(d.name for d in self.drafters))
-        done = self._finished(st, params)
+        stats = self.stats = GenStats(tuple(d.name for d in self.drafters))
+        done = st.finished()
         if done:
             return GenerationResult(st.out, done, stats.as_dict())
         with stats.time("prefill"):
             self.runner.prefill(st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
-        window = PenaltyWindow(self.vocab_size, params.penalty_window, self.lm.device) if params.uses_penalty else None
-        if window:
-            window.reset(st.seq, st.n)
         while not done:
             t_step = time.perf_counter()
-            ctx = DraftContext(int(st.seq[st.n - 1]), st.n - 1)
+            ctx = DraftContext(st.root, st.n - 1)
             budget = self.tuner.choose() if self.tuner else self.config.trie_budget
             drafts = []
             with stats.time("draft"):
@@ -151,22 +135,23 @@ class Engine:
             with stats.time("forward"):
                 hidden, logits = self._verify(st, trie)
             with stats.time("walk"):
-                choice, processed = self._choose(st, trie, logits, params, window)
+                choice, processed = st.choose(trie, logits)
                 path = walk(trie, choice)
                 if not params.greedy and trie.size > 1:  # sampled: the chance each drafted branch had, vs what happened
                     stats.record_acceptance(*drafted_mass(trie, processed, path))
-                emitted = self._stop_rules(st, choice[path].tolist(), params)
+                emitted = st.stop_rules(choice[path].tolist())
                 nodes = path.tolist()
             with stats.time("commit"):
-                self._commit(st, path, emitted, window)
+                self.runner.cache.commit(path[: len(emitted)])  # K/V of root..(k-1)th accepted node
+                st.advance(emitted)
             with stats.time("update"):
                 self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
                 self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step)
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
             stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources,
-                              len(st.out) - len(emitted))
-            done = self._finished(st, params)
+                              len(st.out) - len(emitted), width=budget if self.drafters else 1)
+            done = st.finished()
             if on_step is not None and on_step(emitted) and not done:
                 done = "stopped"
         if self.self_draft is not None:
@@ -174,82 +159,23 @@ class Engine:
         return GenerationResult(st.out, done, stats.as_dict())
 
     # -- steps ----------------------------------------------------------------------------------------------------
-    def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> _State:
-        if not prompt_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = [t for t in (*prompt_ids, *resumed, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model vocabulary [0, {self.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.lm.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model "
-                f"context of {self.lm.max_context}"
-            )
-        capacity = total + self.config.trie_budget + 1
-        self.runner.reset(capacity)
-        seq = torch.zeros(capacity, dtype=torch.long, device=self.lm.device)
-        stops = StopMatcher(self.lm.tokenizer, params.stop) if params.stop else None
-        hit = stops.seed(resumed) if stops is not None else None  # resumed text may hold the start of a stop string
-        if hit is not None:  # a stop completed at the last checkpointed token: nothing more to generate
-            resumed = resumed[: hit + 1]
-        known = [*prompt_ids, *resumed]
-        seq[: len(known)] = torch.tensor(known, dtype=torch.long)
+    def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> Sequence:
+        st = Sequence(prompt_ids, params, resumed, vocab_size=self.vocab_size, eos_ids=self.lm.eos_ids,
+                      tokenizer=self.lm.tokenizer, max_context=self.lm.max_context, spare=self.config.trie_budget,
+                      device=self.lm.device)
+        self.runner.reset(st.capacity)
+        known = st.known
         for d in self.drafters:
             d.start(known)
-        return _State(seq, len(known), len(prompt_ids), resumed, frozenset(params.stop_token_ids), stops,
-                      stop_hit=hit is not None)
+        return st
 
-    def _verify(self, st: _State, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify(self, st: Sequence, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
         positions = trie.depths + (st.n - 1)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
 
-    def _choose(self, st, trie: Trie, logits, params: SamplingParams, window: PenaltyWindow | None):
-        """The target's token after every node, exactly as AR would pick it there. -> [T] long, processed [T, V]"""
-        present = window.presence(st.seq, st.n, trie) if window else None
-        processed = process_logits(logits, present, params)
-        if params.greedy:
-            return choose(processed, None), processed
-        # the token after a depth-d node is generated token len(out)+d at absolute position n+d
-        return sample(processed, params.seed, trie.depths + st.n), processed
-
-    def _stop_rules(self, st: _State, tokens: list[int], params: SamplingParams) -> list[int]:
-        """The accepted tokens AR would have emitted: cut after max_tokens, or the first that ends the generation."""
-        tokens = tokens[: params.max_tokens - len(st.out)]
-        for i, t in enumerate(tokens):
-            if self._ends(st, t, params):
-                return tokens[: i + 1]
-        return tokens
-
-    def _ends(self, st: _State, token: int, params: SamplingParams) -> bool:
-        """Does this next token end the generation: EOS, a stop token, or the last piece of a stop string?"""
-        if (not params.ignore_eos and token in self.lm.eos_ids) or token in st.stop_ids:
-            return True
-        if st.stops is not None and st.stops.feed(token):
-            st.stop_hit = True
-        return st.stop_hit
-
-    def _commit(self, st: _State, path: torch.Tensor, emitted: list[int], window: PenaltyWindow | None) -> None:
-        k = len(emitted)
-        self.runner.cache.commit(path[:k])  # K/V of root..(k-1)th accepted node; the last emitted is the new root
-        st.seq[st.n : st.n + k] = torch.tensor(emitted, dtype=torch.long)
-        if window:
-            window.advance(st.seq, st.n, st.n + k)
-        st.n += k
-        st.out.extend(emitted)
-
     def _update_drafters(self, verified: Verified, emitted: list[int]) -> None:
         for d in self.drafters:
             d.observe(verified)
             d.commit(emitted)
-
-    def _finished(self, st: _State, params: SamplingParams) -> str | None:
-        if st.out and not params.ignore_eos and st.out[-1] in self.lm.eos_ids:
-            return "eos"
-        if st.out and (st.out[-1] in st.stop_ids or st.stop_hit):
-            return "stop"
-        if len(st.out) >= params.max_tokens:
-            return "length"
-        return None
