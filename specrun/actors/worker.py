@@ -1,6 +1,7 @@
 """GenerationWorker: loads the model and builds the Engine once, then generates prompts one at a time with checkpoints.
 
-Plain class (Ray wraps it in pool.py); writes progress chunks, matrix snapshots and live status to the shared job dir.
+Plain class (Ray wraps it in pool.py); writes progress chunks, timeline rows, matrix snapshots and live status to the
+shared job dir.
 Those writes are best-effort: a failed one (disk full, stale NFS handle) is logged, reported with the result, and
 retried at the next checkpoint; it never fails the prompt (the driver's output write is the one that must succeed).
 """
@@ -21,6 +22,7 @@ from specrun.storage.chunks import write_chunk
 from specrun.storage.names import id_key
 from specrun.storage.records import Records
 from specrun.storage.state import load_matrix, save_matrix
+from specrun.storage.timeline import TimelineLog, chunk_row, timeline_path
 
 LIVE_EVERY_S = 1.0
 log = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class GenerationWorker:
             ckpt.best_effort("live status", self.records.clear_live, task["id"])
             return {"id": task["id"], "stopped": True, "n_tokens": len(result.token_ids),
                     "checkpointed": ckpt.start, "warnings": ckpt.report()}
+        ckpt.finish(result.token_ids)
         ckpt.snapshot()
         return {"id": task["id"], "stopped": False, "token_ids": result.token_ids,
                 "finish_reason": result.finish_reason, "stats": result.stats,
@@ -160,7 +163,9 @@ class GenerationWorker:
 class _Checkpointer:
     """on_step callback: appends a chunk every checkpoint_every tokens or checkpoint_seconds; writes live status after
     each checkpoint and otherwise once per LIVE_EVERY_S. Every write is best-effort: a failed chunk keeps its tokens
-    in the buffer for the next checkpoint (checkpoint_every tokens or checkpoint_seconds later, not every step)."""
+    in the buffer for the next checkpoint (checkpoint_every tokens or checkpoint_seconds later, not every step).
+    Each chunk written, and the tokens after the last one, get a timeline row (storage/timeline.py) from the engine's
+    counters."""
 
     def __init__(self, worker: GenerationWorker, prompt_id: str, resumed: int, max_tokens: int):
         self.w, self.id, self.max_tokens = worker, prompt_id, max_tokens
@@ -173,6 +178,8 @@ class _Checkpointer:
         self.t0 = self.last_ckpt = time.monotonic()
         self.last_live = 0.0
         self.failures: dict[str, list] = {}  # what -> [count, last error]
+        self.timeline = TimelineLog(timeline_path(worker.root, prompt_id), resumed)
+        self.row_at, self.row_stats = self.t0, {}  # where the next timeline row starts: clock, engine counters
         self._live(time.monotonic(), force=True)
 
     def __call__(self, emitted: list[int]) -> bool:
@@ -206,6 +213,7 @@ class _Checkpointer:
     def _write(self, tokens: list[int]) -> bool:
         if not self.best_effort("checkpoint", write_chunk, self.progress, self.start, tokens):
             return False
+        self._row(self.start, self.start + len(tokens))
         self.start += len(tokens)
         self.buf = []
         self.due = self.w.spec.checkpoint_every
@@ -216,6 +224,19 @@ class _Checkpointer:
         if rest:
             self._write(rest)
         self.snapshot(force=True)
+
+    def finish(self, all_tokens: list[int]) -> None:
+        """The timeline row of the tokens after the last chunk (they go to the output row, not to a chunk)."""
+        self.timeline.truncate(len(all_tokens))  # a stop string may have ended the text inside the resumed tokens
+        if len(all_tokens) > self.start:
+            self._row(self.start, len(all_tokens))
+
+    def _row(self, start: int, end: int) -> None:
+        now, counters = time.monotonic(), self.w.engine.stats.snapshot()
+        self.timeline.add(chunk_row(self.timeline.attempt, start, end, now - self.row_at, time.time(), self.row_stats,
+                                    counters, socket.gethostname(), self.w.slot))
+        self.row_at, self.row_stats = now, counters
+        self.best_effort("timeline", self.timeline.save)
 
     def snapshot(self, force: bool = False) -> None:
         """The recycling matrix, at most every spec.snapshot_seconds (not at every checkpoint: it can be MBs)."""

@@ -1,8 +1,9 @@
-"""Per-generation statistics: steps, accepted tokens per step, tokens per drafter, seconds per phase.
+"""Per-generation statistics: steps, accepted tokens per step, tokens per drafter, seconds per phase, trie widths.
 
 alpha: mean share of the deepest offered draft path accepted per step; beta: share of steps whose accepted path
 includes an n-gram node (TokenSwift's acceptance and n-gram acceptance). Sampled steps: expected acceptance (drafted
-children's probability mass) beside the observed one, per path node with children. Counters only, cheap every step.
+children's probability mass) beside the observed one, per path node with children. Counters only, cheap every step;
+snapshot() copies the cumulative ones so a checkpointer can tell what happened between two checkpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class GenStats:
         self.new_tokens = 0
         self.accepted_hist: Counter[int] = Counter()
         self.by_drafter: Counter[str] = Counter()
+        self.widths: Counter[int] = Counter()  # trie width chosen for the step (the tuner's, or the fixed budget) -> steps
         self.nodes = 0
         self.alpha_sum = 0.0
         self.ngram_steps = 0
@@ -41,8 +43,8 @@ class GenStats:
             self.phase[phase] += time.perf_counter() - t
 
     def record_step(self, emitted: int, trie_nodes: int, trie_depth: int, accepted_sources: list[int],
-                    generated: int = 0) -> None:
-        """generated: tokens generated before this step (its length bucket)."""
+                    generated: int = 0, width: int = 1) -> None:
+        """generated: tokens generated before this step (its length bucket); width: the trie width chosen for it."""
         bucket = self.buckets.setdefault(generated // LENGTH_BUCKET, [0, 0, Counter()])
         bucket[0] += 1
         bucket[1] += emitted
@@ -51,6 +53,7 @@ class GenStats:
         self.new_tokens += emitted
         self.nodes += trie_nodes
         self.accepted_hist[emitted] += 1
+        self.widths[width] += 1
         if trie_depth:
             self.alpha_sum += len(accepted_sources) / trie_depth
         names = [self.drafter_names[s] for s in accepted_sources]
@@ -64,6 +67,11 @@ class GenStats:
             self.expected_sum += float(expected.sum())
             self.observed_sum += float(observed.sum())
 
+    def snapshot(self) -> dict:
+        """The cumulative counters a timeline row is the difference of (O(drafters + phases + widths), not O(steps))."""
+        return {"steps": self.steps, "tokens": self.new_tokens, "by_drafter": dict(self.by_drafter),
+                "phase": dict(self.phase), "widths": dict(self.widths)}
+
     def as_dict(self) -> dict:
         seconds = time.perf_counter() - self.t0
         return {
@@ -73,6 +81,7 @@ class GenStats:
             "accepted_hist": {str(k): v for k, v in sorted(self.accepted_hist.items())},
             "tokens_by_drafter": {n: self.by_drafter.get(n, 0) for n in self.drafter_names},
             "mean_trie_nodes": self.nodes / self.steps if self.steps else 0.0,
+            "widths": {str(w): n for w, n in sorted(self.widths.items())},
             "alpha": self.alpha_sum / self.steps if self.steps else 0.0,
             "beta": self.ngram_steps / self.steps if self.steps else 0.0,
             "kv_rebuilds": self.kv_rebuilds,

@@ -1,4 +1,4 @@
-"""Explicit Arrow schemas of every Parquet file in a job directory (prompts, progress chunks, outputs).
+"""Explicit Arrow schemas of every Parquet file in a job directory (prompts, progress chunks, outputs, timelines).
 
 Changing a schema changes SCHEMA_VERSION, which the job manifest records.
 """
@@ -44,4 +44,18 @@ OUTPUT = pa.schema([
     pa.field("distinct_4", pa.float64(), nullable=False),
     pa.field("attempts", pa.int32(), nullable=False),
     pa.field("stats", pa.string(), nullable=False),  # JSON of the engine stats
+])
+
+TIMELINE = pa.schema([  # one row per checkpoint chunk of a prompt, and one for the tokens after its last chunk
+    pa.field("attempt", pa.int32(), nullable=False),  # the prompt's n-th generation run (each resume or retry adds one)
+    pa.field("start", pa.int64(), nullable=False),  # generated-token offsets [start, end) the row covers
+    pa.field("end", pa.int64(), nullable=False),
+    pa.field("steps", pa.int64(), nullable=False),  # decoding steps that produced them
+    pa.field("seconds", pa.float64(), nullable=False),  # wall seconds since the attempt's previous row (or its start)
+    pa.field("ended_at", pa.float64(), nullable=False),  # unix time of the row
+    pa.field("phase_seconds", pa.map_(pa.string(), pa.float64()), nullable=False),  # decoding/stats.py PHASES
+    pa.field("accepted_by_drafter", pa.map_(pa.string(), pa.int64()), nullable=False),  # drafted tokens accepted
+    pa.field("width_steps", pa.map_(pa.int32(), pa.int64()), nullable=False),  # trie width chosen -> steps
+    pa.field("host", pa.string(), nullable=False),
+    pa.field("slot", pa.int32(), nullable=False),  # the worker's slot
 ])
