@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from specrun.cli.options import (engine_config_from, engine_options, model_options, sampling_options,
+from specrun.cli.options import (ENGINE_FLAGS, engine_config_from, engine_options, model_options, sampling_options,
                                  sampling_params_from)
 
 
@@ -36,6 +36,14 @@ run_options = [
 ]
 
 
+checkpoint_options = [
+    click.option("--checkpoint-every", type=click.IntRange(min=1), default=2048, show_default=True,
+                 help="Checkpoint each running prompt every N new tokens."),
+    click.option("--checkpoint-seconds", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+                 callback=_finite, help="... and at least every S seconds."),
+]
+
+
 def _apply(options):
     def deco(f):
         for o in reversed(options):
@@ -55,12 +63,13 @@ def _remote_code(manifest: dict, given: bool, job_root) -> bool:
     return wanted
 
 
-def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None) -> int:
+def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None, **attempt) -> int:
+    """attempt: this run's device, engine, checkpoint_every, checkpoint_seconds (RunOptions; None = the job's)."""
     from specrun.jobs.driver import RunOptions, run_job
     from specrun.jobs.jobdir import JobError
 
     opts = RunOptions(actors=actors, address=address, gpus_per_actor=gpus_per_actor, hot_start=tuple(hot_start),
-                      quiet=quiet, model_path=model_path)
+                      quiet=quiet, model_path=model_path, **attempt)
     try:
         summary = run_job(job, opts)
     except JobError as e:
@@ -75,10 +84,7 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
 @click.option("--max-tokens", type=click.IntRange(min=1), required=True, help="Most new tokens per prompt.")
 @click.option("--job-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Job directory (default: ./specrun-jobs/<prompts file name>).")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Checkpoint each running prompt every N new tokens.")
-@click.option("--checkpoint-seconds", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              callback=_finite, help="... and at least every S seconds.")
+@_apply(checkpoint_options)
 @model_options
 @sampling_options
 @engine_options
@@ -91,7 +97,8 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window, stop, stop_token_ids); OpenAI batch lines
     (custom_id, method POST, url, body) work too, and a body field we do not implement is refused by name.
     PROMPTS is read once, so a pipe works (<(zcat p.jsonl.gz)). The whole file is checked first; nothing
-    starts if any line is bad. Submitting again with the same input, model and flags resumes the job.
+    starts if any line is bad. Submitting again with the same input, model, dtype, sampling flags and attention
+    backend resumes the job; device, drafting, checkpoint and Ray flags may change (each run is recorded).
 
     \b
     Examples:
@@ -127,7 +134,8 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
         raise click.ClickException(str(e)) from e
     if not quiet:
         click.echo(f"{'created' if created else 'resuming'} job {job.root}", err=True)
-    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, info.path))
+    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, info.path, device=device, engine=engine,
+                  checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds))
 
 
 @click.command()
@@ -136,17 +144,26 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
               help="The job's model at a new location (its fingerprint must match the job's).")
 @click.option("--trust-remote-code", is_flag=True,
               help="Needed again to resume a job submitted with --trust-remote-code (job.json alone never allows it).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: the job's.")
+@_apply(checkpoint_options)
+@engine_options
 @_apply(run_options)
-def resume(job_dir, model_path, trust_remote_code, actors, gpus_per_actor, address, hot_start, quiet):
+@click.pass_context
+def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every, checkpoint_seconds, actors,
+           gpus_per_actor, address, hot_start, quiet, **kw):
     """Continue an interrupted job from its checkpoints (failed prompts are retried).
 
+    Device, drafting and checkpoint flags that are given replace the job's for this run (the outputs stay the same;
+    `specrun status --json` lists what each run used); those not given, and the attention backend, stay the job's.
     A job submitted with --trust-remote-code resumes only with --trust-remote-code given again.
 
     \b
     Examples:
       specrun resume specrun-jobs/prompts
       specrun resume specrun-jobs/prompts --actors 4 --address ray://head:10001
+      specrun resume specrun-jobs/prompts --device cuda --draft none --checkpoint-every 512
     """
+    from specrun.actors.worker import engine_config
     from specrun.jobs.jobdir import JobDir, JobError
 
     job = JobDir(job_dir)
@@ -167,7 +184,14 @@ def resume(job_dir, model_path, trust_remote_code, actors, gpus_per_actor, addre
                 f"model {model_path!r} (fingerprint {info.fingerprint}) is not the job's model "
                 f"{manifest['model']['path']!r} (fingerprint {manifest['model']['fingerprint']}); refusing to resume")
         model_path = info.path
-    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path))
+    given = {n for n in ctx.params if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT}
+    try:
+        engine = engine_config_from(kw, engine_config(manifest["engine"]), given) if given & set(ENGINE_FLAGS) else None
+    except (TypeError, ValueError) as e:  # a job.json whose engine settings this version cannot read
+        raise click.ClickException(f"{job.manifest_path}: engine settings unreadable ({e})") from e
+    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path, device=device, engine=engine,
+                  checkpoint_every=checkpoint_every if "checkpoint_every" in given else None,
+                  checkpoint_seconds=checkpoint_seconds if "checkpoint_seconds" in given else None))
 
 
 @click.command()

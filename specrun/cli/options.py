@@ -5,6 +5,8 @@ Each decorator adds a group of options; the matching `*_from` turns the parsed v
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from specrun.decoding.attention import BACKENDS
@@ -102,13 +104,22 @@ def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
         raise click.BadParameter(str(e)) from e
 
 
-def engine_config_from(kw: dict) -> EngineConfig:
+# engine_options' parameter names -> the EngineConfig field each one sets
+ENGINE_FLAGS = {"draft": "drafters", "trie_budget": "trie_budget", "ngram_topk": "ngram_topk",
+                "fixed_budget": "adaptive_budget", "heads_path": "heads_path", "tree": "tree", "kv_mode": "kv_mode",
+                "kv_budget": "kv_budget", "kv_sinks": "kv_sinks", "attention": "attention"}
+
+
+def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> EngineConfig:
+    """EngineConfig from every engine flag; with `base`, only the flags named in `given` (set on the command line)
+    replace base's values (`specrun resume`)."""
+    fields = dict(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
+                  adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"], tree=parse_tree(kw["tree"]),
+                  kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"])
     try:
-        return EngineConfig(
-            drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
-            adaptive_budget=not kw["fixed_budget"],
-            heads_path=kw["heads_path"], tree=parse_tree(kw["tree"]), kv_mode=kw["kv_mode"],
-            kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"],
-        )
+        if base is None:
+            return EngineConfig(**fields)
+        return dataclasses.replace(base, **{ENGINE_FLAGS[n]: fields[ENGINE_FLAGS[n]] for n in given
+                                            if n in ENGINE_FLAGS})
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="drafting options") from e

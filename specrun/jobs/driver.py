@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 from specrun.actors.worker import WorkerSpec
+from specrun.jobs.attempts import attempt_settings, recorded_attempt
 from specrun.jobs.compaction import Compactor
 from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
 from specrun.jobs.jobdir import JobDir, JobError
@@ -37,10 +38,14 @@ REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at mos
 SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
 
 def run_job(job: JobDir, opts: RunOptions) -> RunSummary:
-    """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock."""
+    """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock.
+    The run is recorded as the job's next attempt (jobs/attempts.py) with the settings it uses."""
+    settings = attempt_settings(job.manifest(), opts)
     job.acquire_lock()
     try:
-        return _Driver(job, opts).run()
+        with recorded_attempt(job, settings) as end:
+            end["summary"] = _Driver(job, opts, settings).run()
+            return end["summary"]
     finally:
         job.release_lock()
 
@@ -49,9 +54,10 @@ class _Driver(_Slots):
     """Bookkeeping is O(1) per event (a prompt finished, failed or was lost): counters, never scans of the prompts;
     the display reads the in-flight prompts' live files at most every REFRESH_S."""
 
-    def __init__(self, job: JobDir, opts: RunOptions):
+    def __init__(self, job: JobDir, opts: RunOptions, settings: dict):
         self.job, self.opts, self.rec = job, opts, job.records
         self.manifest = job.manifest()
+        self.settings = settings  # this attempt's (attempts.attempt_settings)
         infos, self.input_ids = job.prompt_infos()  # token ids stay in Arrow until a prompt is dispatched
         self.prompts = {p.id: p for p in infos}
         self.summary = RunSummary()
@@ -109,20 +115,20 @@ class _Driver(_Slots):
 
     # -- Ray ----------------------------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
-        m, ck = self.manifest["model"], self.manifest["checkpoint"]
-        return WorkerSpec(job_dir=str(self.job.root.resolve()), model=self.opts.model_path or m["path"],
-                          fingerprint=m["fingerprint"], dtype=m["dtype"], device=m["device"],
-                          trust_remote_code=m.get("trust_remote_code", False), engine=self.manifest["engine"],
+        m, s, ck = self.manifest["model"], self.settings, self.settings["checkpoint"]
+        return WorkerSpec(job_dir=str(self.job.root.resolve()), model=s["model_path"],
+                          fingerprint=m["fingerprint"], dtype=s["dtype"], device=s["device"],
+                          trust_remote_code=m.get("trust_remote_code", False), engine=s["engine"],
                           checkpoint_every=ck["every"], checkpoint_seconds=ck["seconds"],
-                          hot_start=tuple(os.path.abspath(h) for h in self.opts.hot_start),
-                          threads=1 if m["device"] == "cpu" else 0, job_created_at=self.manifest.get("created_at"))
+                          hot_start=tuple(s["hot_start"]), threads=1 if s["device"] == "cpu" else 0,
+                          job_created_at=self.manifest.get("created_at"))
 
     def _run_ray(self, queue: deque) -> None:
         import ray
 
         from specrun.actors.pool import init_ray, resource_shortfall
 
-        cuda = self.manifest["model"]["device"].startswith("cuda")
+        cuda = self.settings["device"].startswith("cuda")
         n = self.opts.actors
         # a local Ray gets at least one CPU per requested actor, or extra actors would wait forever
         try:

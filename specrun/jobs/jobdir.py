@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, atomic_write_table, local_path, read_json
@@ -25,8 +26,9 @@ from specrun.storage.names import id_key
 from specrun.storage.records import Records
 from specrun.storage.schemas import PROMPTS
 
-# manifest entries that change the generated tokens: they must match to resume
-OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "params")
+# manifest entries that change the generated tokens: they must match to resume (the attention backend can change the
+# logits' last bits); every other setting may change between attempts (jobs/attempts.py)
+OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "params", "engine.attention")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class JobDir:
         self.lock_path = self.root / "lock.json"
         self.lock = JobLock(self.lock_path)
         self.state_dir = self.root / "state"
+        self.attempts_dir = self.root / "attempts"
 
     def exists(self) -> bool:
         return self.manifest_path.exists()
@@ -124,9 +127,9 @@ def manifest_differences(old: dict, new: dict) -> list[str]:
     """Human-readable list of output-changing differences between an existing manifest and a new request."""
     out = []
     for key in OUTPUT_KEYS:
-        a, b = _get(old, key), _get(new, key)
+        # a setting added after the job was written stands at its default there
+        a, b = _get(old, key, _default(key)), _get(new, key, _default(key))
         if isinstance(a, dict) and isinstance(b, dict):
-            # a field added to SamplingParams after the job was written stands at its default there
             defaults = _param_defaults() if key == "params" else {}
             for k in sorted(set(a) | set(b)):
                 va, vb = a.get(k, defaults.get(k)), b.get(k, defaults.get(k))
@@ -137,11 +140,21 @@ def manifest_differences(old: dict, new: dict) -> list[str]:
     return out
 
 
+def engine_json(engine: EngineConfig) -> dict:
+    """An EngineConfig as manifests and attempt records store it (tuples -> lists; actors.worker.engine_config()
+    rebuilds it)."""
+    return json.loads(json.dumps(dataclasses.asdict(engine)))
+
+
 def _param_defaults() -> dict:
     return json.loads(json.dumps(dataclasses.asdict(SamplingParams())))  # as manifests store them (lists, not tuples)
 
 
-def _get(d: dict, dotted: str):
+def _default(key: str):
+    return EngineConfig.attention if key == "engine.attention" else None
+
+
+def _get(d: dict, dotted: str, default=None):
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None
-    return d
+    return default if d is None else d

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass, field
+
+from specrun.decoding.engine import EngineConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 128 + signal.SIGINT  # a stop by signal S exits 128 + S
 
@@ -22,6 +25,25 @@ class RunOptions:
     place_timeout_s: float = 60.0  # a worker actor must be placed (resources granted, process up) within this
     load_timeout_s: float = 1800.0  # ... and have loaded its model within this once placed
     stop_timeout_s: float = 60.0  # on Ctrl-C/SIGTERM/SIGHUP: longest wait for running prompts to checkpoint
+    # settings that may differ between attempts without changing a token (None: as the job was submitted); each
+    # attempt records what it used (jobs/attempts.py)
+    device: str | None = None
+    engine: EngineConfig | None = None  # its attention backend must be the job's (jobdir.OUTPUT_KEYS)
+    checkpoint_every: int | None = None
+    checkpoint_seconds: float | None = None
+
+    def __post_init__(self):
+        if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device={self.device!r} must be cpu or cuda")
+        check_checkpoint(self.checkpoint_every, self.checkpoint_seconds)
+
+
+def check_checkpoint(every: int | None, seconds: float | None) -> None:
+    """Checkpoint cadence: every >= 1 new tokens, seconds a finite number > 0 (None: not given)."""
+    if every is not None and every < 1:
+        raise ValueError(f"checkpoint_every={every} must be >= 1")
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"checkpoint_seconds={seconds} must be a finite number > 0")
 
 
 @dataclass

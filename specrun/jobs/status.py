@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from specrun.jobs.attempts import describe, read_attempts
 from specrun.jobs.jobdir import JobDir
 from specrun.storage.atomic import read_json
 from specrun.storage.chunks import progress_count
@@ -80,6 +81,7 @@ def job_status(job: JobDir) -> dict:
         "prompts": rows,
         "totals": {**counts, "total": len(rows), "tokens": sum(r["tokens"] for r in rows),
                    "tokens_per_s": running_rate, "eta_s": left / running_rate if running_rate > 0 else None},
+        "attempts": read_attempts(job),  # what each run (submit, resume) used, oldest first
     }
 
 
@@ -100,6 +102,9 @@ def render_status(st: dict, console) -> None:
                   f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
                   + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; "
                   f"ETA {_eta(tot['eta_s'])}")
+    if st["attempts"]:
+        console.print(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}", markup=False,
+                      highlight=False)
 
 
 def _num(x, digits: int) -> str:

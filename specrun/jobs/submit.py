@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
@@ -16,8 +15,9 @@ from specrun import __version__
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import read_prompts
-from specrun.jobs.jobdir import JobDir, JobError, manifest_differences
+from specrun.jobs.jobdir import JobDir, JobError, engine_json, manifest_differences
 from specrun.jobs.modelinfo import ModelInfo
+from specrun.jobs.runopts import check_checkpoint
 from specrun.storage.schemas import SCHEMA_VERSION
 
 
@@ -34,10 +34,7 @@ class JobSettings:
     checkpoint_seconds: float = 60.0
 
     def __post_init__(self):
-        if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be >= 1")
-        if not (math.isfinite(self.checkpoint_seconds) and self.checkpoint_seconds > 0):
-            raise ValueError(f"checkpoint_seconds={self.checkpoint_seconds} must be a finite number > 0")
+        check_checkpoint(self.checkpoint_every, self.checkpoint_seconds)
 
 
 def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: ModelInfo, settings: JobSettings,
@@ -48,7 +45,7 @@ def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: Mod
         "model": {"arg": info.arg, "path": info.path, "fingerprint": info.fingerprint, "dtype": settings.dtype,
                   "device": settings.device, "trust_remote_code": settings.trust_remote_code},
         "params": json.loads(json.dumps(dataclasses.asdict(params))),  # stop tuples -> lists, as read back
-        "engine": json.loads(json.dumps(dataclasses.asdict(engine))),  # tuples -> lists; rebuilt by engine_config()
+        "engine": engine_json(engine),
         "checkpoint": {"every": settings.checkpoint_every, "seconds": settings.checkpoint_seconds},
     }
 

@@ -115,7 +115,9 @@ def test_finished_prompts_leave_one_output_file_and_no_chunks_markers_or_live_fi
                ignore_eos=True)
     assert run_job(job, QUIET).exit_code == 0
     left = sorted(str(f.relative_to(job.root)) for f in job.root.rglob("*") if f.is_file())
-    assert [f.split("/")[0] for f in left] == ["job.json", "outputs", "prompts.parquet", "state"], left
+    assert sorted({f.split("/")[0] for f in left}) == ["attempts", "job.json", "outputs", "prompts.parquet", "state",
+                                                      "timeline"], left
+    assert len([f for f in left if f.startswith("outputs/")]) == 1, left
     assert list(_outputs(job)) == [str(i) for i in range(5)]
 
 
