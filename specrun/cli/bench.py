@@ -16,15 +16,16 @@ from specrun.cli.generate import chat_option
 from specrun.cli.options import engine_config_from, engine_options, model_options, sampling_options, sampling_params_from
 
 
-def _parse_lengths(value: str | None) -> tuple[int, ...]:
+def int_list(value: str | None, hint: str) -> tuple[int, ...]:
+    """"2048,8192" -> (2048, 8192), sorted and unique, each >= 1; BadParameter naming the flag otherwise."""
     if not value:
         return ()
     try:
         out = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
     except ValueError as e:
-        raise click.BadParameter(f"{value!r} is not a comma list of integers", param_hint="--lengths") from e
+        raise click.BadParameter(f"{value!r} is not a comma list of integers", param_hint=hint) from e
     if not out or out[0] < 1:
-        raise click.BadParameter(f"{value!r}: lengths must be >= 1", param_hint="--lengths")
+        raise click.BadParameter(f"{value!r}: values must be >= 1", param_hint=hint)
     return out
 
 
@@ -38,13 +39,18 @@ def _parse_lengths(value: str | None) -> tuple[int, ...]:
 @click.option("--lengths", help="Comma list of generated lengths to report ratios at, e.g. 2048,8192,16384.")
 @click.option("--warmup", type=int, default=16, show_default=True, help="Untimed warm-up tokens per configuration.")
 @click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run).")
+@click.option("--concurrency", "levels", help="Comma list of sequences in flight, e.g. 1,4,8: aggregate tok/s of "
+              "specrun_ar and specrun_spec on one batched worker at each level (N different prompts), instead of the "
+              "default table.")
+@click.option("--batch-attention", type=click.Choice(["sdpa", "paged", "flashinfer"]), default="sdpa",
+              show_default=True, help="With --concurrency: attention over the paged KV pool.")
 @chat_option
 @model_options
 @sampling_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number instead of tables.")
-def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, chat, model, dtype, device,
-          trust_remote_code, as_json, **kw):
+def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels, batch_attention, chat, model,
+          dtype, device, trust_remote_code, as_json, **kw):
     """Benchmark specrun against HF generate on one prompt: tok/s, ratios, acceptance, time per phase.
 
     Runs hf_ar, hf_prompt_lookup, specrun_ar, specrun_spec (the --draft drafters) and the ablations ngram_only,
@@ -58,6 +64,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, chat, 
       specrun bench --model ~/.cache/specrun/proxy-v1 --prompt-file p.txt --max-tokens 4096
       specrun bench --model M --prompt "def main(" --temperature 1 --min-p 0.1 --penalty 1.2 --json
       specrun bench --model M --prompt-file p.txt --lengths 2048,8192,16384 --repeat 1
+      specrun bench --model smollm2 --chat --prompt "Write a long story." --max-tokens 1024 --concurrency 1,4,8
     """
     from specrun.bench.report import annotate_divergences, render, summarize
     from specrun.bench.runner import DEFAULT_RUNS, BenchSettings, bench_params, hf_notes, plan, run_bench
@@ -66,7 +73,12 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, chat, 
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
-    lens = _parse_lengths(lengths)
+    if levels is not None:
+        from specrun.cli.bench_concurrency import bench_concurrency
+
+        return bench_concurrency(text, levels, batch_attention, max_tokens, repeat, chat, model, dtype, device,
+                                 trust_remote_code, as_json, kw)
+    lens = int_list(lengths, "--lengths")
     n = max(lens) if lens else max_tokens
     params = sampling_params_from(kw, n)
     base = engine_config_from(kw)

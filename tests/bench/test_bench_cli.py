@@ -105,3 +105,19 @@ def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
     spec = next(r for r in report["runs"] if r["name"] == "specrun_spec")
     assert spec["identical"] is False and spec["first_diff"] == 4 and spec["gap"] > 0
     assert spec["near_tie"] is False and report["lossless"] is False  # float64: a real gap is no tie
+
+
+def test_bench_concurrency_json(tiny_models):
+    report = _bench(tiny_models["llama_gqa"], "--concurrency", "1,3", "--batch-attention", "paged")
+    rows = {(r["name"], r["concurrency"]) for r in report["runs"]}
+    assert rows == {(n, c) for n in ("specrun_ar", "specrun_spec") for c in (1, 3)}
+    for r in report["runs"]:
+        assert r["tokens"] == 12 * r["concurrency"] and r["tokens_per_s"] > 0
+        assert r["identical_to_solo"] is True
+    assert {t["name"] for t in report["table"] if t["vs_ar"] == 1.0} == {"specrun_ar"}
+
+
+def test_bench_concurrency_rejects_bad_levels(tiny_models):
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_gqa"], "--prompt", "x", "--concurrency",
+                                    "0,2"])
+    assert res.exit_code == 2 and "--concurrency" in res.output

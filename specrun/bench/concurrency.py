@@ -1,0 +1,80 @@
+"""Aggregate throughput with N different prompts in flight on one worker: AR and speculative, batched, side by side.
+
+run_concurrency(...) -> one dict per timed run (name, concurrency, tokens_per_s, ...); each sequence's tokens are
+compared with the same prompt's concurrency-1 output of that run kind (they must be equal up to a near tie).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+from specrun.decoding.engine import EngineConfig
+from specrun.decoding.sampling import SamplingParams
+
+
+def prompt_variants(text: str, n: int) -> list[str]:
+    """n different prompts from one: the text, then the text asking for another take (different tokens, same task)."""
+    return [text if i == 0 else f"{text} (Take {i + 1}: tell it differently.)" for i in range(n)]
+
+
+def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels: tuple[int, ...],
+                    configs: dict[str, EngineConfig], repeat: int = 1, backend: str = "sdpa",
+                    log: Callable[[str], None] = lambda m: None) -> list[dict]:
+    """Every (config, level) `repeat` times, interleaved; level c runs prompts[:c] at once (EOS ignored, no stops)."""
+    params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
+    need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
+    jobs = [(name, c) for c in levels for name in configs]
+    solo: dict[tuple[str, int], list[int]] = {}
+    out = []
+    for r in range(repeat):
+        k = r % len(jobs)
+        for name, c in jobs[k:] + jobs[:k]:
+            engine = BatchEngine(lm, configs[name], BatchConfig(concurrency=c, kv_tokens=c * need, backend=backend))
+            t0 = time.perf_counter()
+            results = engine.run([(i, prompts[i], params, []) for i in range(c)])
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(res.token_ids) for res in results.values())
+            row = {"name": name, "concurrency": c, "repeat": r, "tokens": tokens, "seconds": seconds,
+                   "tokens_per_s": tokens / seconds,
+                   "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
+                   "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
+            if c == min(levels):
+                for i, res in results.items():
+                    solo.setdefault((name, i), res.token_ids)
+            row["identical_to_solo"] = all(solo.get((name, i), res.token_ids) == res.token_ids
+                                           for i, res in results.items())
+            out.append(row)
+            log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
+                f"{row['mean_accepted']:.2f} accepted/step")
+    return out
+
+
+def _merge_widths(per_seq) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for widths in per_seq:
+        for w, n in widths.items():
+            total[w] = total.get(w, 0) + n
+    return total
+
+
+def summarize_concurrency(rows: list[dict]) -> list[dict]:
+    """Per (name, concurrency): median tok/s over repeats, and ratios to concurrency 1 and to AR at the same level."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["name"], row["concurrency"]), []).append(row)
+    table = []
+    for (name, c), rs in groups.items():
+        tps = sorted(r["tokens_per_s"] for r in rs)
+        table.append({"name": name, "concurrency": c, "tokens_per_s": tps[len(tps) // 2],
+                      "mean_accepted": sum(r["mean_accepted"] for r in rs) / len(rs),
+                      "identical_to_solo": all(r["identical_to_solo"] for r in rs)})
+    by = {(t["name"], t["concurrency"]): t["tokens_per_s"] for t in table}
+    low = min(t["concurrency"] for t in table)
+    for t in table:
+        t["vs_concurrency_1"] = t["tokens_per_s"] / by[(t["name"], low)]
+        ar = by.get(("specrun_ar", t["concurrency"]))
+        t["vs_ar"] = t["tokens_per_s"] / ar if ar else None
+    return sorted(table, key=lambda t: (t["concurrency"], t["name"]))

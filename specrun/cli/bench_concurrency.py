@@ -1,0 +1,59 @@
+"""`specrun bench --concurrency 1,4,8`: aggregate tok/s with N prompts in flight on one batched worker (table or JSON).
+
+Exits 1 when a batched sequence differs from the same prompt run alone in float32/float64 (there it must be exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import click
+
+from specrun.cli.bench import int_list
+from specrun.cli.options import engine_config_from, sampling_params_from
+
+
+def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dtype, device, trust_remote_code,
+                      as_json, kw) -> None:
+    from specrun.bench.concurrency import prompt_variants, run_concurrency, summarize_concurrency
+    from specrun.cli.generate import encode_prompt, load_for_cli
+    from specrun.models.loader import resolve_dtype
+
+    levels = int_list(levels, "--concurrency")
+    params = sampling_params_from(kw, max_tokens)
+    base = engine_config_from(kw)
+    if base.heads_path or (base.drafters and any(d in ("heads", "fused") for d in base.drafters)):
+        raise click.UsageError("--concurrency runs n-gram and recycling drafting (heads do not run batched yet)")
+    configs = {"specrun_ar": dataclasses.replace(base, drafters=()), "specrun_spec": base}
+    try:
+        dtype = resolve_dtype(dtype, model, device)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"cannot load model {model!r}: {e}") from e
+    lm = load_for_cli(model, dtype, device, trust_remote_code)
+    prompts = [encode_prompt(lm, t, chat) for t in prompt_variants(text, max(levels))]
+    try:
+        rows = run_concurrency(lm, prompts, params, levels, configs, repeat, backend,
+                               log=lambda m: click.echo(m, err=True))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    table = summarize_concurrency(rows)
+    report = {"model": lm.path, "dtype": dtype, "device": str(lm.device), "tokens_per_prompt": max_tokens,
+              "backend": backend, "mode": "greedy" if params.greedy else "sampled", "runs": rows, "table": table}
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"{lm.path} {dtype}, {max_tokens} new tokens per prompt, aggregate over the prompts in flight")
+        for col in ("run", "concurrency", "tok/s", "vs concurrency 1", "vs AR", "accepted/step", "same as solo"):
+            t.add_column(col)
+        for r in table:
+            t.add_row(r["name"], str(r["concurrency"]), f"{r['tokens_per_s']:.1f}", f"{r['vs_concurrency_1']:.2f}x",
+                      f"{r['vs_ar']:.2f}x" if r["vs_ar"] else "-", f"{r['mean_accepted']:.2f}",
+                      "yes" if r["identical_to_solo"] else "no")
+        Console(file=sys.stdout, width=160).print(t)
+    if dtype in ("float32", "float64") and not all(r["identical_to_solo"] for r in table):
+        sys.exit(1)

@@ -1,0 +1,190 @@
+"""Several generations per worker at once, each speculative: one verify forward for every active sequence's trie.
+
+Per step: draft per sequence -> build tries -> one packed verify -> per sequence accept, commit pages, update drafters,
+emit. A sequence's tokens equal its solo AR decoding whatever runs beside it (I1, I2); step cost follows rows (I5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from specrun.decoding.budget import BudgetTuner
+from specrun.decoding.drafters import MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified
+from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult
+from specrun.decoding.paged_attention import check_paged_backend
+from specrun.decoding.paged_kv import SeqPages
+from specrun.decoding.paged_runner import PagedRunner
+from specrun.decoding.recycling import RecyclingMatrix
+from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.sequence import Sequence
+from specrun.decoding.stats import GenStats
+from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    concurrency: int = 4  # most sequences in one step
+    kv_tokens: int = 65536  # KV slots in the worker's pool (the memory budget); admission never over-commits it
+    page_size: int = 1  # P = 1: committing accepted nodes is a page-table edit
+    backend: str = "sdpa"  # paged_attention.PAGED_BACKENDS
+
+    def __post_init__(self):
+        for name, value in (("concurrency", self.concurrency), ("kv_tokens", self.kv_tokens),
+                            ("page_size", self.page_size)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        check_paged_backend(self.backend)
+
+
+@dataclass
+class _Active:
+    """One admitted sequence: its tokens and stop rules, pages, own drafters and statistics."""
+
+    key: object
+    st: Sequence
+    pages: SeqPages
+    drafters: list[Drafter]
+    stats: GenStats
+    trie: Trie | None = None  # this step's
+    done: str | None = None  # finish reason once finished (or "stopped" by the caller)
+
+
+class BatchEngine:
+    def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig()):
+        names = config.active_drafters(have_heads=False)
+        if any(n in NEEDS_HEADS for n in names):
+            raise ValueError("self-drafting heads do not run batched yet: use --concurrency 1 with --heads")
+        self.lm, self.config, self.batch = lm, config, batch
+        self.names = names
+        self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
+        self.vocab_size = self.runner.lm_head.weight.shape[0]
+        # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
+        self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
+        self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
+        self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
+        self.active: list[_Active] = []
+
+    # -- admission --------------------------------------------------------------------------------------------------
+    def admit(self, key, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()) -> bool:
+        """Start a sequence if a slot and its whole KV need are free (prefill included); False leaves nothing changed."""
+        if len(self.active) >= self.batch.concurrency:
+            return False
+        st = Sequence(prompt_ids, params, list(resume_from), vocab_size=self.vocab_size, eos_ids=self.lm.eos_ids,
+                      tokenizer=self.lm.tokenizer, max_context=self.lm.max_context, spare=self.config.trie_budget,
+                      device=self.lm.device)
+        pages = self.runner.pool.admit(st.capacity)
+        if pages is None:
+            return False
+        drafters = [self._drafter(n) for n in self.names]
+        known = st.known
+        for d in drafters:
+            d.start(known)
+        a = _Active(key, st, pages, drafters, GenStats(tuple(self.names)))
+        if not st.finished():
+            with a.stats.time("prefill"):
+                self.runner.prefill(pages, st.seq[: st.n - 1], self.config.prefill_chunk)
+        self.active.append(a)
+        return True
+
+    def _drafter(self, name: str) -> Drafter:
+        return NGramDrafter(self.config.ngram_topk) if name == "ngram" else RecyclingDrafter(self.recycling)
+
+    # -- the recipe, over the batch ---------------------------------------------------------------------------------
+    def step(self, on_step: Callable[[object, list[int]], bool] | None = None) -> list[tuple[object, GenerationResult]]:
+        """One verify forward for every active sequence; returns the sequences that finished (and frees them)."""
+        finished = [a for a in self.active if a.st.finished()]  # admitted already complete (resumed to the end)
+        live = [a for a in self.active if a not in finished]
+        if live:
+            t_step = time.perf_counter()
+            tuner = self._tuner(len(live))
+            budget = tuner.choose() if tuner else self.config.trie_budget
+            t = time.perf_counter()
+            for a in live:
+                a.trie = build_trie(a.st.root, self._draft(a, budget), budget, self.lm.device)
+            t_draft = time.perf_counter() - t
+            t = time.perf_counter()
+            hidden, logits = self._verify(live)
+            t_forward = time.perf_counter() - t
+            accepted, offset = [], 0
+            for a in live:
+                rows = slice(offset, offset + a.trie.size)
+                offset += a.trie.size
+                accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
+            seconds = time.perf_counter() - t_step
+            for a, (nodes, emitted) in zip(live, accepted):
+                if tuner:  # the whole batched step's cost against the width every sequence used
+                    tuner.observe(budget, nodes, seconds)
+                a.stats.phase["draft"] += t_draft  # every sequence waited for the whole batch's drafting and forward
+                a.stats.phase["forward"] += t_forward
+                a.done = a.st.finished()
+                if on_step is not None and on_step(a.key, emitted) and not a.done:  # as the solo engine's on_step
+                    a.done = "stopped"
+                if a.done:
+                    finished.append(a)
+        out = []
+        for a in finished:
+            a.pages.release()
+            self.active.remove(a)
+            out.append((a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())))
+        return out
+
+    def _tuner(self, n: int) -> BudgetTuner | None:
+        if not self.names or not self.config.adaptive_budget:
+            return None
+        return self._tuners.setdefault(n, BudgetTuner(self.config.trie_budget))
+
+    def _draft(self, a: _Active, budget: int) -> list:
+        if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted
+            return []
+        ctx = DraftContext(a.st.root, a.st.n - 1)
+        proposals = [d.propose(ctx, i) for i, d in enumerate(a.drafters)]
+        return [d for i in self._merge_order for d in proposals[i]]
+
+    def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""
+        hidden = self.runner.forward([a.pages for a in live], [a.trie.tokens for a in live],
+                                     [a.trie.depths + (a.st.n - 1) for a in live], [a.trie.ancestors for a in live])
+        return hidden, self.runner.logits(hidden)
+
+    def _accept(self, a: _Active, hidden: torch.Tensor, logits: torch.Tensor, budget: int):
+        """Walk, apply stop rules, commit pages and tokens, update drafters. -> (path nodes beyond the root, emitted)"""
+        trie, st = a.trie, a.st
+        with a.stats.time("walk"):
+            choice, processed = st.choose(trie, logits)
+            path = walk(trie, choice)
+            if not st.params.greedy and trie.size > 1:
+                a.stats.record_acceptance(*drafted_mass(trie, processed, path))
+            emitted = st.stop_rules(choice[path].tolist())
+            nodes = path.tolist()
+        with a.stats.time("commit"):
+            a.pages.commit(path[: len(emitted)])
+            st.advance(emitted)
+        with a.stats.time("update"):
+            verified = Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1])
+            for d in a.drafters:
+                d.observe(verified)
+                d.commit(emitted)
+        a.stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1],
+                            trie.sources[path[1 : len(emitted)]].tolist(), len(st.out) - len(emitted),
+                            width=budget if self.names else 1)
+        return nodes[1:], emitted
+
+    # -- a whole batch of requests ------------------------------------------------------------------------------------
+    def run(self, requests: Iterable[tuple[object, list[int], SamplingParams, list[int]]],
+            on_step: Callable[[object, list[int]], bool] | None = None) -> dict[object, GenerationResult]:
+        """Keep up to `concurrency` sequences in flight, in the order given (callers put the longest first)."""
+        pending = list(requests)
+        results: dict[object, GenerationResult] = {}
+        while pending or self.active:
+            while pending and self.admit(*pending[0]):
+                pending.pop(0)
+            if pending and not self.active:
+                key, prompt, params, _ = pending[0]
+                raise ValueError(f"request {key!r} needs more KV slots ({len(prompt)} + {params.max_tokens} tokens) "
+                                 f"than the pool holds ({self.batch.kv_tokens}): raise kv_tokens")
+            results.update(self.step(on_step))
+        return results

@@ -1,0 +1,68 @@
+"""Model runner over the paged pool: one forward for the new tokens of many sequences, packed, each at its positions.
+
+Owns the pool and the attention backend; knows nothing of drafting or sampling (the batched twin of runner.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specrun.decoding.decoder import FusedDecoder
+from specrun.decoding.paged_attention import BatchContext, FlashInferAttention, check_paged_backend
+from specrun.decoding.paged_kv import PagePool, SeqPages
+from specrun.decoding.plan import build_plan
+
+if TYPE_CHECKING:
+    from specrun.models.loader import LoadedModel
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token."""
+    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * n_kv * head_dim * torch.finfo(dtype).bits // 8
+
+
+class PagedRunner:
+    def __init__(self, lm: LoadedModel, kv_tokens: int, page_size: int = 1, backend: str = "sdpa"):
+        check_paged_backend(backend)
+        self.lm = lm
+        self.backend = backend
+        self.decoder = FusedDecoder.of(lm.model)  # refuses architectures and features it would get wrong
+        self.lm_head = lm.model.get_output_embeddings()
+        dec = self.decoder
+        self.pool = PagePool(len(dec.layers), -(-kv_tokens // page_size), page_size, dec.n_kv, dec.head_dim,
+                             lm.dtype, lm.device)
+        self._flashinfer = FlashInferAttention(lm.device) if backend == "flashinfer" else None
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqPages], tokens: list[torch.Tensor], positions: list[torch.Tensor],
+                tree_masks: list[torch.Tensor]) -> torch.Tensor:
+        """New tokens of each sequence after its committed ones (their K/V land in its pages; commit keeps some).
+
+        # tokens[i], positions[i]: [T_i] long, tree_masks[i]: [T_i, T_i] bool -> hidden: [sum T_i, H]
+        """
+        plan = build_plan(seqs, tree_masks)
+        if self._flashinfer is not None:
+            dec = self.decoder
+            self._flashinfer.plan(plan, dec.n_q, dec.n_kv, dec.head_dim, self.lm.dtype, dec.layers[0].scaling)
+        ctx = BatchContext(self.pool, plan, self.backend, self._flashinfer)
+        return self.decoder(torch.cat(tokens), torch.cat(positions), ctx)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """# hidden: [N, H] -> [N, V] in float32 (float64 stays float64)"""
+        with torch.inference_mode():
+            x = self.lm_head(hidden)
+        return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+    def prefill(self, sp: SeqPages, tokens: torch.Tensor, chunk: int) -> None:
+        """Commit K/V for tokens at positions [length, length+P) in causal chunks. # tokens: [P] long"""
+        for s in range(0, tokens.shape[0], chunk):
+            part = tokens[s : s + chunk]
+            T = part.shape[0]
+            pos = torch.arange(sp.length, sp.length + T, device=tokens.device)
+            causal = torch.ones((T, T), dtype=torch.bool, device=tokens.device).tril_()
+            self.forward([sp], [part], [pos], [causal])
+            sp.append(T)

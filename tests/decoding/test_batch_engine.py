@@ -1,0 +1,173 @@
+"""Batched engine (issue 12): paged pool, plan arrays, `paged` == `sdpa`, and per-sequence outputs equal solo runs."""
+
+import numpy as np
+import pytest
+import torch
+
+from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.paged_attention import attend_paged, attend_sdpa
+from specrun.decoding.paged_kv import PagePool
+from specrun.decoding.plan import build_plan, packbits, unpackbits
+from specrun.decoding.sampling import SamplingParams
+
+REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor-or-self mask of a random tree (parents before children). # -> [T, T] bool"""
+    m = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):
+        m[i] |= m[int(torch.randint(0, i, (1,), generator=gen))]
+    return m
+
+
+def test_packbits_is_numpys_little_bit_order():
+    bits = torch.rand(77, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = packbits(bits)
+    assert packed.tolist() == np.packbits(bits.numpy(), bitorder="little").tolist()
+    assert torch.equal(unpackbits(packed, 77), bits)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_paged_equals_sdpa_on_random_ragged_tries(page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    Hq, Hkv, D, layers = 6, 2, 8, 1
+    pool = PagePool(layers, 400, page_size, Hkv, D, torch.float64, "cpu")
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    seqs, masks = [], []
+    for committed, T in [(0, 5), (37, 1), (90, 17), (5, 9), (64, 1)]:  # ragged: fresh, AR rows, wide tries
+        sp = pool.admit(committed + T + 8)
+        sp.ensure(committed)
+        sp.append(committed)
+        seqs.append(sp)
+        masks.append(torch.ones(T, T, dtype=torch.bool).tril() if committed == 0 else random_tree_mask(T, gen))
+    plan = build_plan(seqs, masks)
+    assert plan.kv_last_page_len.min() >= 1 and plan.kv_last_page_len.max() <= page_size
+    assert plan.mask_indptr.tolist()[-1] == plan.mask_packed.shape[0]
+    q = torch.randn(int(plan.qo_indptr[-1]), Hq, D, generator=gen, dtype=torch.float64)
+    ref = attend_sdpa(plan, pool.k[0], pool.v[0], q, None)
+    got = attend_paged(plan, pool.k[0], pool.v[0], q, None)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_commit_keeps_accepted_rows_and_returns_pages(page_size):
+    pool = PagePool(2, 64, page_size, 1, 2, torch.float32, "cpu")
+    before = pool.available
+    sp = pool.admit(40)
+    sp.ensure(10)
+    sp.append(10)
+    plan = build_plan([sp], [torch.eye(6, dtype=torch.bool)])
+    marks = torch.arange(100, 106, dtype=torch.float32)
+    pool.k[:, plan.write_pages, :, plan.write_offsets] = marks[:, None, None, None].expand(6, 2, 1, 2)
+    sp.commit(torch.tensor([0, 2, 5]))
+    assert sp.length == 13
+    pages, offsets = sp.slots(10, 13)
+    assert pool.k[0, pages, 0, offsets, 0].tolist() == [100.0, 102.0, 105.0]
+    assert sp.n_pages == pool.pages_for(13)
+    sp.release()
+    assert pool.available == before
+
+
+def test_admission_reserves_the_whole_need():
+    pool = PagePool(1, 10, 2, 1, 2, torch.float32, "cpu")
+    a = pool.admit(12)  # 6 pages promised
+    assert a is not None and pool.admit(9) is None  # 5 more do not fit in the 4 left
+    b = pool.admit(8)
+    assert b is not None and pool.available == 0
+    a.release()
+    assert pool.available == 6
+
+
+def solo(lm, prompt, params, drafters, resume=()):
+    return Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params, resume_from=list(resume))
+
+
+def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture):
+    lm = load_fixture("llama_gqa", dtype="float32")
+    tok = lm.tokenizer
+    drafters = ("ngram", "recycling")
+    free = solo(lm, tok.encode(REPETITIVE), SamplingParams(max_tokens=80, ignore_eos=True), drafters).token_ids
+    stop = free[next(i for i in range(20, 80) if free[i] not in free[:20])]  # a token it first writes part way
+    mixed = [
+        ("greedy", tok.encode(REPETITIVE), SamplingParams(max_tokens=60, ignore_eos=True)),
+        ("sampled", tok.encode("once upon a time"), SamplingParams(max_tokens=45, temperature=0.9, seed=3,
+                                                                   penalty=1.2, penalty_window=16, ignore_eos=True)),
+        ("stop", tok.encode(REPETITIVE), SamplingParams(max_tokens=80, stop_token_ids=(stop,), ignore_eos=True)),
+        ("short", tok.encode("abc"), SamplingParams(max_tokens=7, temperature=1.0, seed=9, top_k=20)),
+        ("eos", tok.encode("hello there"), SamplingParams(max_tokens=50, temperature=1.3, seed=1)),
+    ]
+    refs = {key: solo(lm, p, params, drafters) for key, p, params in mixed}
+    assert refs["stop"].finish_reason == "stop"
+    for concurrency in (1, 2, 5):  # arrivals mid-run when fewer slots than requests
+        engine = BatchEngine(lm, EngineConfig(drafters=drafters), BatchConfig(concurrency=concurrency, kv_tokens=2048))
+        got = engine.run([(key, p, params, []) for key, p, params in mixed])
+        for key, _, _ in mixed:
+            assert got[key].token_ids == refs[key].token_ids, (concurrency, key)
+            assert got[key].finish_reason == refs[key].finish_reason, (concurrency, key)
+        assert got["greedy"].stats["mean_accepted"] > 1.5  # drafts were accepted: the equality is not vacuous
+    assert engine.runner.pool.available == engine.runner.pool.n_pages  # every page came back
+
+
+def test_resumed_sequence_and_page_size_do_not_change_tokens(load_fixture):
+    lm = load_fixture("qwen2", dtype="float32")
+    prompt = lm.tokenizer.encode(REPETITIVE)
+    params = SamplingParams(max_tokens=50, temperature=0.8, seed=5, ignore_eos=True)
+    ref = solo(lm, prompt, params, ("ngram",)).token_ids
+    engine = BatchEngine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, page_size=4, kv_tokens=512))
+    got = engine.run([("resumed", prompt, params, ref[:17]), ("fresh", prompt, params, [])])
+    assert got["resumed"].token_ids == ref and got["fresh"].token_ids == ref
+
+
+def test_plain_ar_batch_and_stop_callback(load_fixture):
+    lm = load_fixture("llama_mha", dtype="float32")
+    prompts = [lm.tokenizer.encode(t) for t in ("abc abc", "hello", "the cat sat")]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = BatchEngine(lm, EngineConfig(drafters=()), BatchConfig(concurrency=3, kv_tokens=256))
+    seen = {}
+
+    def on_step(key, emitted):
+        seen.setdefault(key, []).extend(emitted)
+        return key == 1 and len(seen[key]) >= 5  # the caller stops request 1 early
+
+    got = engine.run([(i, p, params, []) for i, p in enumerate(prompts)], on_step)
+    for i, p in enumerate(prompts):
+        ref = solo(lm, p, params, ()).token_ids
+        assert got[i].token_ids == (ref[:5] if i == 1 else ref)
+        assert seen[i] == got[i].token_ids
+    assert got[1].finish_reason == "stopped"
+
+
+def test_pool_too_small_for_a_request_is_a_clear_error(load_fixture):
+    lm = load_fixture("llama_mha", dtype="float32")
+    engine = BatchEngine(lm, EngineConfig(drafters=()), BatchConfig(concurrency=2, kv_tokens=32))
+    with pytest.raises(ValueError, match="needs more KV slots"):
+        engine.run([("big", [1, 2, 3], SamplingParams(max_tokens=100), [])])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flashinfer")
+def test_flashinfer_equals_paged_on_random_ragged_tries():
+    from specrun.decoding.paged_attention import FlashInferAttention
+
+    gen = torch.Generator().manual_seed(0)
+    Hq, Hkv, D = 8, 2, 64
+    pool = PagePool(1, 512, 16, Hkv, D, torch.bfloat16, "cuda")
+    pool.k.normal_()
+    pool.v.normal_()
+    seqs, masks = [], []
+    for committed, T in [(100, 7), (300, 1), (33, 16)]:
+        sp = pool.admit(committed + T)
+        sp.ensure(committed)
+        sp.append(committed)
+        seqs.append(sp)
+        masks.append(random_tree_mask(T, gen))
+    plan = build_plan(seqs, masks)
+    q = torch.randn(int(plan.qo_indptr[-1]), Hq, D, dtype=torch.bfloat16, device="cuda")
+    fi = FlashInferAttention(torch.device("cuda"))
+    fi.plan(plan, Hq, Hkv, D, torch.bfloat16, D**-0.5)
+    got = fi.run(pool.k[0], pool.v[0], q)
+    ref = attend_paged(plan, pool.k[0], pool.v[0], q, D**-0.5)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
