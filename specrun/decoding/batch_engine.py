@@ -132,6 +132,16 @@ class BatchEngine:
             out.append((a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())))
         return out
 
+    def stats_of(self, key) -> GenStats:
+        """The counters of an active sequence (a checkpointer reads them from its on_step)."""
+        return next(a.stats for a in self.active if a.key == key)
+
+    def drop(self, key) -> None:
+        """Forget an active sequence without a result (its step failed); its pages go back to the pool."""
+        for a in [a for a in self.active if a.key == key]:
+            a.pages.release()
+            self.active.remove(a)
+
     def _tuner(self, n: int) -> BudgetTuner | None:
         if not self.names or not self.config.adaptive_budget:
             return None
