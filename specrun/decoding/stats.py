@@ -23,7 +23,7 @@ class GenStats:
         self.new_tokens = 0
         self.accepted_hist: Counter[int] = Counter()
         self.by_drafter: Counter[str] = Counter()
-        self.widths: Counter[int] = Counter()  # trie width chosen for the step (the tuner's, or the fixed budget) -> steps
+        self.widths: Counter[int] = Counter()  # trie width chosen (the tuner's, or the fixed budget) -> steps
         self.nodes = 0
         self.alpha_sum = 0.0
         self.ngram_steps = 0

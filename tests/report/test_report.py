@@ -1,0 +1,174 @@
+"""`specrun report` on a real job (local Ray, one per module) that was interrupted by Ctrl-C and resumed: the timeline
+covers every token once after compaction dropped the chunks, the resume is marked, the page renders in headless
+Chromium with no console error and draws every chart, the PNGs are written; a missing plotting library is named
+with its pip command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specrun.cli import main
+from specrun.decoding.engine import EngineConfig
+from specrun.decoding.sampling import SamplingParams
+from specrun.jobs.driver import EXIT_INTERRUPTED, RunOptions, run_job
+from specrun.jobs.modelinfo import model_info
+from specrun.jobs.submit import JobSettings, prepare_job
+from specrun.report import ReportConfig, write_report
+from specrun.report.charts import job_charts, prompt_charts
+from specrun.report.data import gather, totals
+
+ray = pytest.importorskip("ray")
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+MAX_TOKENS = 160
+PROMPTS = [{"id": "a", "prompt": "first"}, {"id": "b</script><i>2", "prompt": "second"}]
+
+
+@pytest.fixture(scope="module")
+def job(tiny_models, tmp_path_factory):
+    """A job stopped by Ctrl-C once every prompt has a chunk, reported on, then resumed to the end."""
+    from specrun.actors.pool import init_ray
+
+    d = tmp_path_factory.mktemp("report")
+    (d / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in PROMPTS))
+    job, _ = prepare_job(d / "prompts.jsonl", d / "job", model_info(tiny_models["llama_mha"]),
+                         JobSettings(device="cpu", checkpoint_every=16),
+                         SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True),
+                         EngineConfig(drafters=("ngram", "recycling"), trie_budget=16))
+
+    def interrupt_once_every_prompt_has_a_chunk():
+        while len({p.parent for p in (job.root / "progress").glob("*/chunk-*")}) < len(PROMPTS):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    init_ray(None, num_cpus=max(2, os.cpu_count() or 1))
+    try:
+        threading.Thread(target=interrupt_once_every_prompt_has_a_chunk, daemon=True).start()
+        assert run_job(job, RunOptions(actors=2, quiet=True)).exit_code == EXIT_INTERRUPTED
+        interrupted = gather(job)
+        files = write_report(job, ReportConfig(d / "interrupted.html", png=False))
+        assert [f.name for f in files] == ["interrupted.html"]
+        assert run_job(job, RunOptions(actors=2, quiet=True)).exit_code == 0
+    finally:
+        ray.shutdown()
+    return job, interrupted
+
+
+def _links(page: str) -> list[str]:
+    """src and href attributes of the page's own tags (script bodies are not parsed as tags)."""
+    found = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.extend(f"{tag} {k}={v}" for k, v in attrs if k in ("src", "href") and not str(v).endswith(".png"))
+
+    Tags().feed(page)
+    return found
+
+
+def _covers(rows, n: int) -> None:
+    assert rows and rows[0]["start"] == 0 and rows[-1]["end"] == n
+    assert all(a["end"] == b["start"] for a, b in zip(rows, rows[1:]))
+
+
+def test_the_interrupted_job_reports_what_was_checkpointed(job):
+    job, interrupted = job
+    for p in interrupted.prompts:
+        assert p.state == "pending" and 0 < p.tokens < MAX_TOKENS
+        _covers(p.rows, p.tokens)  # the stop's flush got a row: every checkpointed token is in the timeline
+        assert {r["attempt"] for r in p.rows} == {1} and p.distinct is not None
+
+
+def test_the_resumed_job_covers_every_token_once_and_marks_each_resume(job):
+    job, _ = job
+    assert not list((job.root / "progress").glob("*/chunk-*"))  # finished prompts dropped their chunks
+    outputs = {r["id"]: r for r in job.records.read_outputs().to_pylist()}
+    rep = gather(job)
+    for p in rep.prompts:
+        out = outputs[p.id]
+        _covers(p.rows, out["n_tokens"])
+        assert p.state == "done" and p.distinct == [out[f"distinct_{n}"] for n in range(1, 5)]
+        assert out["resumed_tokens"] > 0
+        assert [p.rows[i]["start"] for i in p.resumes] == [out["resumed_tokens"]]
+        resumed = [r for r in p.rows if r["attempt"] == 2]
+        stats = json.loads(out["stats"])
+        assert totals(resumed)["steps"] == out["steps"] == stats["steps"]  # the run that finished, split exactly
+        assert totals(resumed)["widths"] == {int(w): n for w, n in stats["widths"].items()}
+        marks = [c.marks for c in prompt_charts(p)]
+        assert marks == [[(out["resumed_tokens"], "resume (attempt 2)")]] * 3
+    charts = {c.key: c for c in job_charts(rep, max_prompts=20)}
+    assert set(charts) == {"speed", "acceptance", "width", "timeline", "phases", "drafters", "distinct"}
+    for key in ("speed", "acceptance", "width", "timeline"):
+        names = [s.name for s in charts[key].series]
+        assert names[:2] == [p["id"] for p in PROMPTS] and "resume" in names
+        resume = next(s for s in charts[key].series if s.name == "resume")
+        assert len(resume.x) == len(PROMPTS)
+    for key in ("phases", "drafters"):  # shares of the job and of each prompt add up to 100 %
+        for i in range(1 + len(PROMPTS)):
+            assert sum(s.y[i] for s in charts[key].series) == pytest.approx(100.0)
+
+
+def test_cli_writes_an_offline_page_and_the_pngs(job, tmp_path):
+    job, _ = job
+    res = CliRunner().invoke(main, ["report", str(job.root), "-o", str(tmp_path / "r.html"), "--prompts", "1"])
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "r.html").read_text("utf-8")
+    assert not _links(page)  # plotly.js is inlined: the page names no script, style or image to fetch
+    assert "resume (attempt 2)" in page and "b&lt;/script&gt;&lt;i&gt;2" in page and PROMPTS[1]["id"] not in page
+    assert "1 more prompt(s)" in page
+    for key in ("speed", "acceptance", "width", "timeline", "phases", "drafters", "distinct"):
+        assert (tmp_path / f"r-{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert CliRunner().invoke(main, ["report", str(job.root), "--no-png"]).exit_code == 0
+    assert (job.root / "report.html").exists() and not list(job.root.glob("report-*.png"))
+
+
+def test_a_missing_plotting_library_is_named_with_its_pip_command(job, tmp_path, monkeypatch):
+    job, _ = job
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    res = CliRunner().invoke(main, ["report", str(job.root), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 1 and "pip install 'specrun[report]'" in res.output and "plotly" in res.output
+    assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Chromium is not installed (CI installs Debian's)")
+def test_the_page_renders_in_headless_chromium_with_every_chart_drawn(job, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    job, _ = job
+    page = tmp_path / "report.html"
+    write_report(job, ReportConfig(page, png=False))
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1400,3000"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    try:
+        driver.get(page.as_uri())
+        plots = driver.find_elements(By.CSS_SELECTOR, "div.js-plotly-plot")
+        assert len(plots) == 7 + 3 * len(PROMPTS)  # the job's charts, then three per prompt
+        for plot in plots:  # drawn: an SVG with a data trace holding a drawn line, marker or bar
+            assert plot.find_elements(By.CSS_SELECTOR, "svg.main-svg g.trace path")
+        marks = driver.find_elements(By.XPATH, "//*[name()='text' and contains(., 'resume (attempt 2)')]")
+        assert len(marks) == 3 * len(PROMPTS)
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+        assert not errors, errors
+        fetched = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert fetched == []  # nothing loaded beside the page itself
+        assert driver.save_screenshot(str(tmp_path / "report.png")) and (tmp_path / "report.png").stat().st_size
+    finally:
+        driver.quit()
