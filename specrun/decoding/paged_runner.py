@@ -44,7 +44,7 @@ class PagedRunner:
 
         # tokens[i], positions[i]: [T_i] long, tree_masks[i]: [T_i, T_i] bool -> hidden: [sum T_i, H]
         """
-        plan = build_plan(seqs, tree_masks)
+        plan = build_plan(seqs, tree_masks, pack_mask=self.backend != "sdpa")
         if self._flashinfer is not None:
             dec = self.decoder
             self._flashinfer.plan(plan, dec.n_q, dec.n_kv, dec.head_dim, self.lm.dtype, dec.layers[0].scaling)

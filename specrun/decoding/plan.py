@@ -66,10 +66,11 @@ class BatchPlan:
         return unpackbits(self.mask_packed[self.mask_indptr[i] : self.mask_indptr[i + 1]], T * S).view(T, S)
 
 
-def build_plan(seqs: list[SeqPages], tree_masks: list[torch.Tensor]) -> BatchPlan:
+def build_plan(seqs: list[SeqPages], tree_masks: list[torch.Tensor], pack_mask: bool = True) -> BatchPlan:
     """Plan a forward of tree_masks[i].shape[0] new tokens after each sequence's committed ones; takes their pages.
 
-    # tree_masks: per sequence [T_i, T_i] bool (ancestor-or-self; causal for a prefill chunk)
+    pack_mask=False leaves out the packed [T, S] masks (O(T x context) bits per sequence), which only the paged and
+    flashinfer backends read. # tree_masks: per sequence [T_i, T_i] bool (ancestor-or-self; causal for a prefill)
     """
     P = seqs[0].pool.page_size
     qo, kv, indices, last, writes = [0], [0], [], [], []
@@ -83,7 +84,7 @@ def build_plan(seqs: list[SeqPages], tree_masks: list[torch.Tensor]) -> BatchPla
         kv.append(kv[-1] + table.shape[0])
         last.append(end - (table.shape[0] - 1) * P)
         writes.append(sp.slots(sp.length, end))
-    needs_mask = any(tm.shape[0] > 1 for tm in tree_masks)
+    needs_mask = pack_mask and any(tm.shape[0] > 1 for tm in tree_masks)
     packed = indptr = None
     if needs_mask:  # a batch of single new tokens sees every key: no mask at all (flashinfer's fast path)
         segments, offsets = [], [0]

@@ -102,7 +102,8 @@ def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture)
     refs = {key: solo(lm, p, params, drafters) for key, p, params in mixed}
     assert refs["stop"].finish_reason == "stop"
     for concurrency in (1, 2, 5):  # arrivals mid-run when fewer slots than requests
-        engine = BatchEngine(lm, EngineConfig(drafters=drafters), BatchConfig(concurrency=concurrency, kv_tokens=2048))
+        engine = BatchEngine(lm, EngineConfig(drafters=drafters, adaptive_budget=False),  # every step drafts
+                             BatchConfig(concurrency=concurrency, kv_tokens=2048))
         got = engine.run([(key, p, params, []) for key, p, params in mixed])
         for key, _, _ in mixed:
             assert got[key].token_ids == refs[key].token_ids, (concurrency, key)
