@@ -1,6 +1,7 @@
 """Shared fixtures: tiny offline models (built once per session into a tmp dir) and a private SPECRUN_CACHE.
 
-Fixtures: tiny_models (name -> model dir), load_fixture(name, dtype="float64") -> LoadedModel (fresh load), specrun_cache.
+Fixtures: tiny_models (name -> model dir), load_fixture(name, dtype="float64") -> LoadedModel (fresh load), specrun_cache,
+local_ray (one local Ray per test module).
 """
 
 from __future__ import annotations
@@ -49,3 +50,14 @@ def load_fixture(tiny_models):
         return load_model(tiny_models[name], dtype=dtype, device=device)
 
     return load
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for the test module that asks for it (run_job joins it rather than starting its own each time)."""
+    ray = pytest.importorskip("ray")
+    from specrun.actors.pool import init_ray
+
+    init_ray(None, num_cpus=2)
+    yield
+    ray.shutdown()

@@ -67,11 +67,12 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
     """attempt: this run's device, engine, checkpoint_every, checkpoint_seconds (RunOptions; None = the job's)."""
     from specrun.jobs.driver import RunOptions, run_job
     from specrun.jobs.jobdir import JobError
+    from specrun.jobs.progress import make_view
 
     opts = RunOptions(actors=actors, address=address, gpus_per_actor=gpus_per_actor, hot_start=tuple(hot_start),
                       quiet=quiet, model_path=model_path, **attempt)
     try:
-        summary = run_job(job, opts)
+        summary = run_job(job, opts, make_view(quiet))
     except JobError as e:
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
@@ -197,17 +198,26 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
 @click.command()
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON.")
-def status(job_dir, as_json):
+@click.option("--watch", is_flag=True, help="Show the table again every --interval seconds until no prompt is left to "
+              "run (Ctrl-C leaves); exit status 1 if any prompt failed.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, callback=_finite,
+              help="Seconds between refreshes with --watch.")
+def status(job_dir, as_json, watch, interval):
     """Per-prompt state (pending, running, done, failed), tokens, tok/s, acceptance and ETA, with totals.
 
     \b
     Examples:
       specrun status specrun-jobs/prompts
+      specrun status specrun-jobs/prompts --watch --interval 5
       specrun status specrun-jobs/prompts --json | jq .totals
     """
     from specrun.jobs.jobdir import JobDir, JobError
     from specrun.jobs.status import job_status, render_status
 
+    if watch:
+        if as_json:
+            raise click.ClickException("--watch redraws the table; it does not combine with --json")
+        sys.exit(_watch(JobDir(job_dir), interval))
     try:
         st = job_status(JobDir(job_dir))
     except JobError as e:
@@ -220,11 +230,28 @@ def status(job_dir, as_json):
         render_status(st, Console())
 
 
+def _watch(job, interval: float) -> int:
+    from rich.console import Console
+
+    from specrun.jobs.jobdir import JobError
+    from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+    from specrun.jobs.watch import watch
+
+    try:
+        st = watch(job, Console(), interval)
+    except JobError as e:
+        raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if st["totals"]["failed"] else EXIT_OK
+
+
 @click.command()
 @click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "text"]), default="jsonl", show_default=True,
-              help="jsonl: one JSON object per prompt; parquet: one file (-o); text: the texts, for reading.")
-@click.option("-o", "--output", default=None, help="Output file (default for jsonl: stdout).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "openai", "parquet", "text"]), default="jsonl",
+              show_default=True, help="jsonl: one JSON object per prompt; openai: OpenAI batch output lines (custom_id, "
+              "response with choices and usage); parquet: one file (-o); text: the texts, for reading.")
+@click.option("-o", "--output", default=None, help="Output file (default, but for parquet: stdout).")
 def export(job_dir, fmt, output):
     """Write the finished rows (id, text, token_ids, finish_reason, stats...) in input order.
 
@@ -232,6 +259,7 @@ def export(job_dir, fmt, output):
     Examples:
       specrun export specrun-jobs/prompts > out.jsonl
       specrun export specrun-jobs/prompts --format parquet -o out.parquet
+      specrun export specrun-jobs/prompts --format openai -o batch_output.jsonl
       specrun export specrun-jobs/prompts --format text | less
     """
     from specrun.jobs.export import export as do_export

@@ -28,7 +28,7 @@ from specrun.jobs.attempts import attempt_settings, recorded_attempt
 from specrun.jobs.compaction import Compactor
 from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
 from specrun.jobs.jobdir import JobDir, JobError
-from specrun.jobs.progress import Display
+from specrun.jobs.progress import Snapshot, make_view
 from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, RunSummary  # noqa: F401
 from specrun.jobs.slots import _cause, _Slots, _Start
 from specrun.storage.chunks import read_progress
@@ -37,14 +37,15 @@ from specrun.storage.records import output_row
 REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
 SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
 
-def run_job(job: JobDir, opts: RunOptions) -> RunSummary:
+def run_job(job: JobDir, opts: RunOptions, view=None) -> RunSummary:
     """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock.
-    The run is recorded as the job's next attempt (jobs/attempts.py) with the settings it uses."""
+    The run is recorded as the job's next attempt (jobs/attempts.py) with the settings it uses. Progress goes to
+    `view` (progress.py; default make_view(opts.quiet))."""
     settings = attempt_settings(job.manifest(), opts)
     job.acquire_lock()
     try:
         with recorded_attempt(job, settings) as end:
-            end["summary"] = _Driver(job, opts, settings).run()
+            end["summary"] = _Driver(job, opts, settings, view).run()
             return end["summary"]
     finally:
         job.release_lock()
@@ -54,8 +55,9 @@ class _Driver(_Slots):
     """Bookkeeping is O(1) per event (a prompt finished, failed or was lost): counters, never scans of the prompts;
     the display reads the in-flight prompts' live files at most every REFRESH_S."""
 
-    def __init__(self, job: JobDir, opts: RunOptions, settings: dict):
+    def __init__(self, job: JobDir, opts: RunOptions, settings: dict, view=None):
         self.job, self.opts, self.rec = job, opts, job.records
+        self.view = view if view is not None else make_view(opts.quiet)  # progress.py: what the run shows
         self.manifest = job.manifest()
         self.settings = settings  # this attempt's (attempts.attempt_settings)
         infos, self.input_ids = job.prompt_infos()  # token ids stay in Arrow until a prompt is dispatched
@@ -81,8 +83,7 @@ class _Driver(_Slots):
         self.tokens_left = sum(p.params.max_tokens for p in todo)  # max_tokens of the prompts not done yet
         self.compactor = Compactor(self.rec, ids)
         self.compactor.pending.extend(scan.in_parts)
-        self.display = _SafeDisplay(Display(len(self.prompts), self.n_done_initial,
-                                            Display.choose_mode(self.opts.quiet)))
+        self.display = _SafeDisplay(self.view)
         try:
             for problem in scan.problems:
                 self.display.warn(f"outputs: {problem}; the prompts it held are generated again")
@@ -291,8 +292,9 @@ class _Driver(_Slots):
         self.last_refresh = now
         live = {pid: info for _, pid in inflight.values() if (info := self.rec.read_live(pid))}
         done = self.n_done_initial + len(self.summary.done)
-        self.display.update(live, done, self.done_tokens + sum(i.get("tokens", 0) for i in live.values()),
-                            self.done_tokens + self.tokens_left)
+        self.display.update(Snapshot(len(self.prompts), done, self.done_tokens + sum(i.get("tokens", 0)
+                                                                               for i in live.values()),
+                                     self.done_tokens + self.tokens_left, live))
 
     def _report(self, queue: deque) -> None:
         s = self.summary

@@ -1,8 +1,10 @@
-"""`specrun export`: the finished rows of a job, in input order, as JSON lines, one Parquet file, or plain text.
+"""`specrun export`: the finished rows of a job, in input order, as JSON lines, OpenAI batch output lines
+(openai_out.py), one Parquet file, or plain text.
 
 Streamed: rows are read from the job's output files a row group at a time and written out as they come, so memory
-holds the ids plus one row group per output file, never every token of every output. A Parquet export gets row groups
-of bounded size (storage/rowfiles.py) and the OUTPUT schema; every file written to -o appears only complete (atomic).
+holds the ids (openai: the chat prompts' ids once more) plus one row group per output file, never every token of every
+output. A Parquet export gets row groups of bounded size (storage/rowfiles.py) and the OUTPUT schema; every file
+written to -o appears only complete (atomic).
 Only finished prompts are exported; the caller is told how many are missing. A row that cannot be read (a damaged
 output file) is skipped with a warning: `specrun resume` generates it again.
 """
@@ -15,9 +17,12 @@ import sys
 import pyarrow as pa
 
 from specrun.jobs.jobdir import JobDir
+from specrun.jobs.openai_out import OpenAIBatchLines
 from specrun.storage.atomic import atomic_path
 from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import OUTPUT
+
+FORMATS = ("jsonl", "openai", "parquet", "text")
 
 
 def iter_finished(job: JobDir, problems: list | None = None, batches: bool = False):
@@ -32,24 +37,27 @@ def finished_table(job: JobDir) -> tuple[pa.Table, int]:
     return table, len(job.prompt_ids()) - table.num_rows
 
 
-def _lines(batches, fmt: str):
+def _lines(batches, fmt: str, openai: OpenAIBatchLines | None = None):
     for _, t in batches:
         for i in range(t.num_rows):  # one row at a time in Python objects (a row group of them can be GBs)
             r = t.slice(i, 1).to_pylist()[0]
             if fmt == "text":  # for reading: a header line per prompt, then its generated text
                 yield f"=== {r['id']} ({r['n_tokens']} tokens, {r['finish_reason']}) ===\n{r['text']}\n\n"
+            elif fmt == "openai":
+                yield json.dumps(openai(r), ensure_ascii=False) + "\n"
             else:
                 r["stats"] = json.loads(r["stats"])
                 yield json.dumps(r, ensure_ascii=False) + "\n"
 
 
 def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
-    """Write the rows to `out` ('-' or None = stdout for jsonl and text); returns (rows written, prompts missing)."""
-    if fmt not in ("jsonl", "parquet", "text"):
-        raise ValueError(f"unknown format {fmt!r} (jsonl, parquet or text)")
+    """Write the rows to `out` ('-' or None = stdout but for parquet); returns (rows written, prompts missing)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
     if fmt == "parquet" and out in (None, "-"):
         raise ValueError("--format parquet needs -o FILE")
     n_prompts = len(job.prompt_ids())
+    openai = OpenAIBatchLines(job) if fmt == "openai" else None
     problems: list[str] = []
     n = 0
 
@@ -64,12 +72,12 @@ def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
             for _, t in counted():
                 w.add(t)
     elif out in (None, "-"):
-        for line in _lines(counted(), fmt):
+        for line in _lines(counted(), fmt, openai):
             sys.stdout.write(line)
         sys.stdout.flush()
     else:
         with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(_lines(counted(), fmt))
+            f.writelines(_lines(counted(), fmt, openai))
     for p in problems:
         print(f"warning: {p}; those rows were not exported (`specrun resume {job.root}` generates them again)",
               file=sys.stderr)

@@ -52,6 +52,7 @@ class PromptRecord:
     input_ids: tuple[int, ...]
     overrides: dict
     params: SamplingParams  # effective params, seed resolved
+    source: str | None = None  # the field the line gave it in (SOURCES; an OpenAI line: its url's); None: not recorded
 
 
 class InputError(ValueError):
@@ -200,7 +201,7 @@ class _Validator:
         if total > self.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
                              f"model context of {self.max_context}")
-        return PromptRecord(pid, line, text, tuple(ids), overrides, params)
+        return PromptRecord(pid, line, text, tuple(ids), overrides, params, given[0])
 
     def _stops(self, obj: dict) -> dict:
         """The line's stop / stop_token_ids (lists), checked: ValueError naming the fault."""

@@ -1,13 +1,11 @@
 """Driver helpers for stopping cleanly: the signal handler (SIGINT, SIGTERM, SIGHUP: first one checkpoints and
-stops, a second one stops at once) and a Display wrapper that survives a terminal that is gone.
+stops, a second one stops at once) and a progress-view wrapper that survives a terminal that is gone.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-
-from specrun.jobs.progress import Display
 
 
 class _Interrupts:
@@ -43,11 +41,11 @@ class _Interrupts:
 
 
 class _SafeDisplay:
-    """The Display, with output errors ignored: after SIGHUP the terminal is gone, and a failed write to it must not
-    keep the running prompts from being checkpointed."""
+    """A progress view (progress.py), with output errors ignored: after SIGHUP the terminal is gone, and a failed
+    write to it must not keep the running prompts from being checkpointed."""
 
-    def __init__(self, display: Display):
-        self._d = display
+    def __init__(self, view):
+        self._d = view
 
     def __getattr__(self, name):
         attr = getattr(self._d, name)

@@ -71,14 +71,15 @@ class JobDir:
         """Prompts first, manifest last: a directory without job.json is not a job yet (a crash here is redone)."""
         rows = [{"id": p.id, "line": p.line, "text": p.text, "input_ids": list(p.input_ids),
                  "overrides": json.dumps(p.overrides, sort_keys=True),
-                 "params": json.dumps(dataclasses.asdict(p.params), sort_keys=True)} for p in prompts]
+                 "params": json.dumps(dataclasses.asdict(p.params), sort_keys=True), "source": p.source}
+                for p in prompts]
         atomic_write_table(self.prompts_path, pa.Table.from_pylist(rows, schema=PROMPTS))
         atomic_write_json(self.manifest_path, manifest)
 
     def prompts(self) -> list[PromptRecord]:
         t = pq.read_table(self.prompts_path, schema=PROMPTS)
         return [PromptRecord(r["id"], r["line"], r["text"], tuple(r["input_ids"]), json.loads(r["overrides"]),
-                             SamplingParams(**json.loads(r["params"]))) for r in t.to_pylist()]
+                             SamplingParams(**json.loads(r["params"])), r["source"]) for r in t.to_pylist()]
 
     def prompt_infos(self) -> tuple[list[PromptInfo], pa.ChunkedArray]:
         """What the driver keeps per prompt (no token ids, no text), and the input_ids column as Arrow (4 bytes a
@@ -93,6 +94,11 @@ class JobDir:
     def prompt_ids(self) -> list[str]:
         """The prompts' ids in input order (reads one column)."""
         return pq.read_table(self.prompts_path, columns=["id"], schema=PROMPTS).column("id").to_pylist()
+
+    def prompt_sources(self):
+        """(id, source) of every prompt in input order: the field its line gave it in (None in jobs older than that)."""
+        t = pq.read_table(self.prompts_path, columns=["id", "source"], schema=PROMPTS)
+        return zip(t.column("id").to_pylist(), t.column("source").to_pylist())
 
     # -- lock -----------------------------------------------------------------------------------------------------
     def lock_owner(self) -> dict | None:

@@ -87,7 +87,14 @@ def job_status(job: JobDir) -> dict:
 
 def render_status(st: dict, console) -> None:
     """Pretty table of job_status() on a rich Console."""
+    console.print(status_renderable(st))
+
+
+def status_renderable(st: dict):
+    """job_status() as one rich renderable: the table and the lines under it (totals, runs)."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title=f"{st['job']}  ({'driver running' if st['driver']['running'] else 'no driver running'})")
     for col in ("id", "state", "tokens", "tok/s", "acc/step", "ETA", "note"):
@@ -96,15 +103,13 @@ def render_status(st: dict, console) -> None:
         note = r["finish_reason"] or (r["error"] or "")[:60]
         t.add_row(r["id"], r["state"], f"{r['tokens']:,}/{r['max_tokens']:,}", _num(r["tokens_per_s"], 1),
                   _num(r["mean_accepted"], 2), _eta(r["eta_s"]), note)
-    console.print(t)
     tot = st["totals"]
-    console.print(f"{tot['done']}/{tot['total']} done, {tot['running']} running, {tot['pending']} pending, "
-                  f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
-                  + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; "
-                  f"ETA {_eta(tot['eta_s'])}")
+    lines = [t, Text(f"{tot['done']}/{tot['total']} done, {tot['running']} running, {tot['pending']} pending, "
+                     f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
+                     + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; ETA {_eta(tot['eta_s'])}")]
     if st["attempts"]:
-        console.print(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}", markup=False,
-                      highlight=False)
+        lines.append(Text(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}"))
+    return Group(*lines)
 
 
 def _num(x, digits: int) -> str:

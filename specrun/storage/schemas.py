@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: prompts.source
 
 PROMPTS = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -16,6 +16,8 @@ PROMPTS = pa.schema([
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("overrides", pa.string(), nullable=False),  # JSON object of per-prompt sampling overrides
     pa.field("params", pa.string(), nullable=False),  # JSON of the effective SamplingParams (seed resolved)
+    # the line's field (prompt, messages, input_ids): chat or completion in an OpenAI export; null in older jobs
+    pa.field("source", pa.string()),
 ])
 
 CHUNK = pa.schema([

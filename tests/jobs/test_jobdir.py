@@ -132,21 +132,6 @@ def test_status_and_export_of_a_partly_done_job(infos, prompts, tmp_path):
     assert (tmp_path / "o.txt").read_text() == "=== b (3 tokens, length) ===\nxyz\n\n"
 
 
-def test_plain_progress_lines_and_quiet(capsys):
-    from specrun.jobs.progress import Display
-
-    d = Display(3, 1, "plain", plain_every_s=0.0)
-    d.update({"a": {"tokens": 5, "max_tokens": 10, "tokens_per_s": 2.0}}, 1, 25, 30)
-    d.log("hello")
-    out = capsys.readouterr().out
-    assert "prompts 1/3 done, 1 running; tokens 25/30; 2 tok/s" in out and "hello" in out
-    q = Display(3, 1, "quiet")
-    q.update({}, 1, 25, 30)
-    q.log("hidden")
-    assert capsys.readouterr().out == ""
-    assert Display.choose_mode(quiet=True) == "quiet"
-
-
 def test_params_added_later_count_at_their_default_in_an_old_manifest():
     from specrun.jobs.jobdir import manifest_differences
 

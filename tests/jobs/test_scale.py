@@ -27,7 +27,7 @@ from specrun.jobs.export import export
 from specrun.jobs.inputs import PromptRecord
 from specrun.jobs.jobdir import JobDir
 from specrun.jobs.modelinfo import model_info
-from specrun.jobs.progress import Display
+from specrun.jobs.progress import QuietView
 from specrun.jobs.status import job_status
 from specrun.jobs.submit import JobSettings, prepare_job
 from specrun.models.loader import load_model
@@ -70,7 +70,7 @@ def test_driver_bookkeeping_is_constant_per_event(tmp_path, monkeypatch):
     monkeypatch.setattr(d.rec, "drop_progress", lambda pid: None)
     d.n_done_initial, d.done_tokens, d.tokens_left = 0, 0, n * 4
     d.compactor = type("C", (), {"add": lambda self, pid: None, "drain": lambda self: []})()
-    d.display = Display(n, 0, "quiet")
+    d.display = QuietView()
     d.prompts.armed = True
     times = []
     for i in range(10_000):
