@@ -9,16 +9,16 @@ retried at the next checkpoint; it never fails the prompt (the driver's output w
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from specrun.storage.atomic import read_json
 from specrun.storage.chunks import write_chunk
+from specrun.storage.fs import job_path
 from specrun.storage.names import id_key
 from specrun.storage.records import Records
 from specrun.storage.state import load_matrix, save_matrix
@@ -59,7 +59,7 @@ class GenerationWorker:
 
     def __init__(self, spec: WorkerSpec, slot: int, load: bool = True):
         self.spec, self.slot = spec, slot
-        self.root = Path(spec.job_dir)
+        self.root = job_path(spec.job_dir)  # a local path or an object-store URI (storage/fs.py)
         self.records = Records(self.root)
         self.stop = threading.Event()
         self.lm = self.engine = self.hot_source = None
@@ -71,7 +71,7 @@ class GenerationWorker:
         if self.spec.job_created_at is None:
             return
         try:
-            created = json.loads((self.root / "job.json").read_text("utf-8")).get("created_at")
+            created = read_json(self.root / "job.json").get("created_at")
         except (OSError, ValueError) as e:
             created = f"unreadable ({type(e).__name__})"
         if created != self.spec.job_created_at:
@@ -84,7 +84,7 @@ class GenerationWorker:
 
         if self.engine.recycling is None:
             return None
-        for i, d in enumerate((self.root, *map(Path, self.spec.hot_start))):
+        for i, d in enumerate((self.root, *map(job_path, self.spec.hot_start))):
             arrays = load_matrix(d / "state", self.spec.fingerprint, self.slot if i == 0 else None)
             if arrays is not None:
                 try:

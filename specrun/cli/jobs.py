@@ -12,8 +12,10 @@ from pathlib import Path
 
 import click
 
+from specrun.cli.location import JobLocation
 from specrun.cli.options import (ENGINE_FLAGS, engine_config_from, engine_options, model_options, sampling_options,
                                  sampling_params_from)
+from specrun.storage.fs import location
 
 
 def _finite(ctx, param, value):
@@ -30,7 +32,7 @@ run_options = [
                  callback=_finite, help="GPUs per actor with --device cuda (fractional packs small models)."),
     click.option("--address", envvar="RAY_ADDRESS", default=None,
                  help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started quietly)."),
-    click.option("--hot-start", "hot_start", multiple=True, type=click.Path(exists=True, file_okay=False),
+    click.option("--hot-start", "hot_start", multiple=True, type=JobLocation(exists=True),
                  help="Earlier job dir on the same model whose recycling matrix warms cold workers."),
     click.option("--quiet", "-q", is_flag=True, help="No progress output (warnings and errors only)."),
 ]
@@ -69,8 +71,8 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
     from specrun.jobs.jobdir import JobError
     from specrun.jobs.progress import make_view
 
-    opts = RunOptions(actors=actors, address=address, gpus_per_actor=gpus_per_actor, hot_start=tuple(hot_start),
-                      quiet=quiet, model_path=model_path, **attempt)
+    opts = RunOptions(actors=actors, address=address, gpus_per_actor=gpus_per_actor,
+                      hot_start=tuple(map(location, hot_start)), quiet=quiet, model_path=model_path, **attempt)
     try:
         summary = run_job(job, opts, make_view(quiet))
     except JobError as e:
@@ -83,8 +85,9 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
 @click.command()
 @click.argument("prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--max-tokens", type=click.IntRange(min=1), required=True, help="Most new tokens per prompt.")
-@click.option("--job-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Job directory (default: ./specrun-jobs/<prompts file name>).")
+@click.option("--job-dir", type=JobLocation(), default=None,
+              help="Job directory (default: ./specrun-jobs/<prompts file name>), or an object-store URI such as "
+                   "s3://bucket/prefix.")
 @_apply(checkpoint_options)
 @model_options
 @sampling_options
@@ -140,7 +143,7 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
 
 
 @click.command()
-@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("job_dir", type=JobLocation(exists=True))
 @click.option("--model", "model_path", default=None,
               help="The job's model at a new location (its fingerprint must match the job's).")
 @click.option("--trust-remote-code", is_flag=True,
@@ -196,7 +199,7 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
 
 
 @click.command()
-@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("job_dir", type=JobLocation(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON.")
 @click.option("--watch", is_flag=True, help="Show the table again every --interval seconds until no prompt is left to "
               "run (Ctrl-C leaves); exit status 1 if any prompt failed.")
@@ -247,7 +250,7 @@ def _watch(job, interval: float) -> int:
 
 
 @click.command()
-@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("job_dir", type=JobLocation(exists=True))
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "openai", "parquet", "text"]), default="jsonl",
               show_default=True, help="jsonl: one JSON object per prompt; openai: OpenAI batch output lines (custom_id, "
               "response with choices and usage); parquet: one file (-o); text: the texts, for reading.")

@@ -17,6 +17,7 @@ from specrun import __version__
 from specrun.jobs.jobdir import JobDir, JobError, engine_json, manifest_differences
 from specrun.jobs.runopts import RunOptions, RunSummary
 from specrun.storage.atomic import atomic_write_json, read_json
+from specrun.storage.fs import location
 
 _NAME = re.compile(r"^(\d{4,})\.json$")
 
@@ -34,15 +35,12 @@ def attempt_settings(manifest: dict, opts: RunOptions) -> dict:
         "checkpoint": {"every": opts.checkpoint_every or ck["every"], "seconds": opts.checkpoint_seconds or ck["seconds"]},
         "actors": opts.actors, "gpus_per_actor": opts.gpus_per_actor,
         "ray_address": opts.address or os.environ.get("RAY_ADDRESS") or None,
-        "hot_start": [os.path.abspath(h) for h in opts.hot_start],
+        "hot_start": [location(h) for h in opts.hot_start],
     }
 
 
 def _numbers(job: JobDir) -> list[tuple[int, str]]:
-    try:
-        names = os.listdir(job.attempts_dir)
-    except FileNotFoundError:
-        return []
+    names = job.fs.list(job.attempts_dir)
     return sorted((int(m.group(1)), n) for n in names if (m := _NAME.match(n)))
 
 

@@ -117,7 +117,7 @@ class _Driver(_Slots):
     # -- Ray ----------------------------------------------------------------------------------------------------
     def _spec(self) -> WorkerSpec:
         m, s, ck = self.manifest["model"], self.settings, self.settings["checkpoint"]
-        return WorkerSpec(job_dir=str(self.job.root.resolve()), model=s["model_path"],
+        return WorkerSpec(job_dir=self.job.location, model=s["model_path"],
                           fingerprint=m["fingerprint"], dtype=s["dtype"], device=s["device"],
                           trust_remote_code=m.get("trust_remote_code", False), engine=s["engine"],
                           checkpoint_every=ck["every"], checkpoint_seconds=ck["seconds"],

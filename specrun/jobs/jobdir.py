@@ -11,7 +11,6 @@ import json
 from dataclasses import dataclass
 import os
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,7 +19,8 @@ import pyarrow.parquet as pq
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import PromptRecord
-from specrun.storage.atomic import atomic_write_json, atomic_write_table, local_path, read_json
+from specrun.storage.atomic import atomic_write_json, atomic_write_table, read_json
+from specrun.storage.fs import fs_of, job_path, location as location_of
 from specrun.storage.lock import JobLock, LockHeld
 from specrun.storage.names import id_key
 from specrun.storage.records import Records
@@ -46,7 +46,8 @@ class JobError(Exception):
 
 class JobDir:
     def __init__(self, location: str | os.PathLike):
-        self.root = local_path(location)
+        self.root = job_path(location)  # a Path, or an ObjectPath for an object-store URI (storage/fs.py)
+        self.fs = fs_of(self.root)
         self.records = Records(self.root)
         self.manifest_path = self.root / "job.json"
         self.prompts_path = self.root / "prompts.parquet"
@@ -55,10 +56,15 @@ class JobDir:
         self.state_dir = self.root / "state"
         self.attempts_dir = self.root / "attempts"
 
-    def exists(self) -> bool:
-        return self.manifest_path.exists()
+    @property
+    def location(self) -> str:
+        """The job's absolute path or URI: what workers and later commands open it with."""
+        return location_of(self.root)
 
-    def progress_dir(self, prompt_id: str) -> Path:
+    def exists(self) -> bool:
+        return self.fs.exists(self.manifest_path)
+
+    def progress_dir(self, prompt_id: str):
         return self.root / "progress" / id_key(prompt_id)
 
     # -- manifest and prompts -----------------------------------------------------------------------------------
@@ -77,14 +83,15 @@ class JobDir:
         atomic_write_json(self.manifest_path, manifest)
 
     def prompts(self) -> list[PromptRecord]:
-        t = pq.read_table(self.prompts_path, schema=PROMPTS)
+        t = pq.read_table(self.fs.source(self.prompts_path), schema=PROMPTS)
         return [PromptRecord(r["id"], r["line"], r["text"], tuple(r["input_ids"]), json.loads(r["overrides"]),
                              SamplingParams(**json.loads(r["params"])), r["source"]) for r in t.to_pylist()]
 
     def prompt_infos(self) -> tuple[list[PromptInfo], pa.ChunkedArray]:
         """What the driver keeps per prompt (no token ids, no text), and the input_ids column as Arrow (4 bytes a
         token, not a Python int each): PromptInfo.row indexes it."""
-        t = pq.read_table(self.prompts_path, columns=["id", "line", "input_ids", "params"], schema=PROMPTS)
+        t = pq.read_table(self.fs.source(self.prompts_path), columns=["id", "line", "input_ids", "params"],
+                          schema=PROMPTS)
         lens = pc.list_value_length(t.column("input_ids")).to_pylist()
         infos = [PromptInfo(pid, line, n, SamplingParams(**json.loads(params)), row) for row, (pid, line, n, params)
                  in enumerate(zip(t.column("id").to_pylist(), t.column("line").to_pylist(), lens,
@@ -93,11 +100,12 @@ class JobDir:
 
     def prompt_ids(self) -> list[str]:
         """The prompts' ids in input order (reads one column)."""
-        return pq.read_table(self.prompts_path, columns=["id"], schema=PROMPTS).column("id").to_pylist()
+        t = pq.read_table(self.fs.source(self.prompts_path), columns=["id"], schema=PROMPTS)
+        return t.column("id").to_pylist()
 
     def prompt_sources(self):
         """(id, source) of every prompt in input order: the field its line gave it in (None in jobs older than that)."""
-        t = pq.read_table(self.prompts_path, columns=["id", "source"], schema=PROMPTS)
+        t = pq.read_table(self.fs.source(self.prompts_path), columns=["id", "source"], schema=PROMPTS)
         return zip(t.column("id").to_pylist(), t.column("source").to_pylist())
 
     # -- lock -----------------------------------------------------------------------------------------------------
@@ -105,7 +113,7 @@ class JobDir:
         return self.lock.owner()
 
     def acquire_lock(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.fs.mkdir(self.root)
         try:
             self.lock.acquire()
         except LockHeld as e:

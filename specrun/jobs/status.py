@@ -7,13 +7,13 @@ failed or live file or progress chunks: O(prompts + files), not O(prompts x anyt
 
 from __future__ import annotations
 
-import os
 import time
 
 from specrun.jobs.attempts import describe, read_attempts
 from specrun.jobs.jobdir import JobDir
 from specrun.storage.atomic import read_json
 from specrun.storage.chunks import progress_count
+from specrun.storage.fs import fs_of
 from specrun.storage.names import id_key
 
 LIVE_FRESH_S = 120.0  # a live file older than this (or with no driver) is an interrupted run, not a running one
@@ -23,10 +23,7 @@ STATES = ("pending", "running", "done", "failed", "repair")
 
 
 def _names(d) -> set[str]:
-    try:
-        return set(os.listdir(d))
-    except FileNotFoundError:
-        return set()
+    return set(fs_of(d).list(d))
 
 
 def _read(path) -> dict | None:

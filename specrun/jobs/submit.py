@@ -64,7 +64,7 @@ def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, 
                            + "\n  ".join(diffs) + "\nuse another --job-dir, or `specrun resume " + str(job.root)
                            + "` to continue it as it was")
         return job, False
-    if job.root.exists() and any(job.root.iterdir()):
+    if job.fs.list(job.root):
         raise JobError(f"{job.root} exists, is not empty and is not a specrun job; choose another --job-dir")
     job.create(manifest, records)
     return job, True

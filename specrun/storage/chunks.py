@@ -13,13 +13,13 @@ import hashlib
 import os
 import re
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specrun.storage.atomic import atomic_write_table
+from specrun.storage.fs import fs_of, job_path
 from specrun.storage.schemas import CHUNK
 
 _NAME = re.compile(r"^chunk-(\d{10})-(\d{10})\.parquet$")
@@ -36,7 +36,7 @@ def chunk_name(start: int, end: int) -> str:
     return f"chunk-{start:010d}-{end:010d}.parquet"
 
 
-def write_chunk(progress_dir: str | os.PathLike, start: int, token_ids: list[int]) -> Path:
+def write_chunk(progress_dir: str | os.PathLike, start: int, token_ids: list[int]):
     """Write the generated tokens [start, start+len) as a chunk file; one already at that span is replaced atomically
     (it can only be a leftover of an earlier run whose later chunks read_progress has already moved aside)."""
     if not token_ids:
@@ -44,12 +44,12 @@ def write_chunk(progress_dir: str | os.PathLike, start: int, token_ids: list[int
     end = start + len(token_ids)
     row = {"start": [start], "end": [end], "token_ids": [list(token_ids)],
            "checksum": [checksum(start, end, token_ids)], "written_at": [time.time()]}
-    return atomic_write_table(Path(progress_dir) / chunk_name(start, end), pa.Table.from_pydict(row, schema=CHUNK))
+    return atomic_write_table(job_path(progress_dir) / chunk_name(start, end), pa.Table.from_pydict(row, schema=CHUNK))
 
 
-def _read_valid(path: Path, start: int, end: int) -> list[int] | None:
+def _read_valid(path, start: int, end: int) -> list[int] | None:
     try:
-        t = pq.read_table(path, schema=CHUNK)
+        t = pq.read_table(fs_of(path).source(path), schema=CHUNK)
         if t.num_rows != 1:
             return None
         row = t.to_pylist()[0]
@@ -61,9 +61,9 @@ def _read_valid(path: Path, start: int, end: int) -> list[int] | None:
     return toks if row["checksum"] == checksum(start, end, toks) else None
 
 
-def _set_aside(path: Path, suffix: str) -> None:
+def _set_aside(path, suffix: str) -> None:
     try:
-        os.replace(path, path.with_name(path.name + suffix))
+        fs_of(path).rename(path, path.with_name(path.name + suffix))
     except FileNotFoundError:
         pass
 
@@ -76,16 +76,15 @@ def read_progress(progress_dir: str | os.PathLike, quarantine: bool = True) -> l
     disagreeing with the run) and leftover temporaries are removed, so later chunks only ever continue the run.
     quarantine=False reads without touching anything.
     """
-    d = Path(progress_dir)
-    if not d.is_dir():
-        return []
+    d = job_path(progress_dir)
+    fs = fs_of(d)
     spans = []
-    for p in d.iterdir():
-        m = _NAME.match(p.name)
+    for name in fs.list(d):
+        m = _NAME.match(name)
         if m:
-            spans.append((int(m.group(1)), int(m.group(2)), p))
-        elif quarantine and _TMP.match(p.name):
-            p.unlink(missing_ok=True)
+            spans.append((int(m.group(1)), int(m.group(2)), d / name))
+        elif quarantine and _TMP.match(name):
+            fs.delete(d / name)
     spans.sort(key=lambda s: (s[0], s[1]))
     out: list[int] = []
     for start, end, path in spans:
@@ -109,11 +108,9 @@ def read_progress(progress_dir: str | os.PathLike, quarantine: bool = True) -> l
 
 def progress_count(progress_dir: str | os.PathLike) -> int:
     """Checkpointed token count from file names only (cheap, for status; does not validate)."""
-    d = Path(progress_dir)
-    if not d.is_dir():
-        return 0
+    d = job_path(progress_dir)
     n = 0
-    for start, end in sorted((int(m.group(1)), int(m.group(2))) for m in map(_NAME.match, os.listdir(d)) if m):
+    for start, end in sorted((int(m.group(1)), int(m.group(2))) for m in map(_NAME.match, fs_of(d).list(d)) if m):
         if start <= n < end:
             n = end
     return n

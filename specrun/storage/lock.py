@@ -1,12 +1,14 @@
-"""The job lock (JOB/lock.json): one driver per job directory, on local disks, NFS and FUSE object-store mounts.
+"""The job lock (JOB/lock.json): one driver per job directory, on local disks, NFS, FUSE mounts and object stores.
 
 Content: pid, host, boot_id, pid_start (the process's start time, to tell a reused pid), token (unique per holder),
 started_at, heartbeat_at, lease_s.
 
-- Create: the content goes to a private temporary file that is hard-linked to lock.json (atomic, never seen half
-  written). Where the filesystem has no hard links (os.link fails with anything but FileExistsError, as on FUSE
-  object-store mounts), lock.json is created with O_CREAT|O_EXCL, then written: a reader may see it empty for a
-  moment, so a lock that cannot be parsed counts as held until its mtime is older than the lease.
+- Create: JobFS.put_if_absent (storage/fs.py). Locally the content goes to a private temporary file that is
+  hard-linked to lock.json (atomic, never seen half written). Where the filesystem has no hard links (os.link fails
+  with anything but FileExistsError, as on FUSE object-store mounts), lock.json is created with O_CREAT|O_EXCL, then
+  written: a reader may see it empty for a moment, so a lock that cannot be parsed counts as held until its mtime is
+  older than the lease. On S3 it is a conditional PutObject (If-None-Match: "*"), elsewhere a lease object
+  (objectfs.py).
 - Heartbeat: a thread of the holder rewrites heartbeat_at every heartbeat_s (temporary file + rename). A holder whose
   last good heartbeat is older than lease_s - heartbeat_s, or that finds another token in the lock, stops refreshing
   and sets `lost` (another driver may hold the job now); the driver then stops as on SIGTERM, and release() leaves
@@ -21,7 +23,9 @@ started_at, heartbeat_at, lease_s.
   move that lock, its creator no longer writes it, and no lock can be created over it), then drops the claim; everyone
   then races to create the lock exclusively, which exactly one wins. A live lock is never moved, even for a moment
   (moving one and putting it back would let a third process create a lock in between). A claim left by a process
-  that died inside a takeover is moved aside once older than the lease.
+  that died inside a takeover is moved aside once older than the lease (on an object store a move is copy + delete,
+  so two processes removing the same abandoned claim could, in a further race, each see a takeover through; the
+  heartbeat makes the one whose lock is gone stop).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import time
 import uuid
 from pathlib import Path
 
-from specrun.storage.atomic import _fsync_dir, atomic_write_bytes, tmp_name
+from specrun.storage.fs import fs_of, job_path
 
 HEARTBEAT_S = 30.0
 LEASE_S = 120.0
@@ -45,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class LockHeld(Exception):
-    def __init__(self, owner: dict | None, path: Path):
+    def __init__(self, owner: dict | None, path):
         self.owner, self.path = owner, path
         super().__init__(f"{path} is held by {owner!r}")
 
@@ -69,13 +73,9 @@ def _pid_start(pid: int) -> str | None:
     return st[19] if st and len(st) > 19 else None  # field 22: start time in clock ticks since boot
 
 
-def _read_raw(path: Path) -> tuple[bytes, int] | None:
+def _read_raw(path) -> tuple[bytes, int] | None:
     """(bytes, mtime_ns) of the lock, None when there is none."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(), os.fstat(f.fileno()).st_mtime_ns
-    except FileNotFoundError:
-        return None
+    return fs_of(path).read_stat(path)
 
 
 def _parse(raw: tuple[bytes, int] | None) -> tuple[dict | None, float | None]:
@@ -93,7 +93,7 @@ def _identity(raw: tuple[bytes, int]) -> str:
     return hashlib.sha256(raw[0] + b"|%d" % raw[1]).hexdigest()[:16]
 
 
-def read_lock(path: Path) -> tuple[dict | None, float | None]:
+def read_lock(path) -> tuple[dict | None, float | None]:
     """(content, mtime); (None, None) when there is no lock, (None, mtime) when it cannot be parsed."""
     return _parse(_read_raw(path))
 
@@ -127,7 +127,8 @@ def is_stale(info: dict | None, mtime: float | None, now: float | None = None) -
 
 class JobLock:
     def __init__(self, path: str | os.PathLike, heartbeat_s: float = HEARTBEAT_S, lease_s: float = LEASE_S):
-        self.path = Path(path)
+        self.path = job_path(path)
+        self.fs = fs_of(self.path)
         self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
         self.token: str | None = None
         self.lost = False
@@ -155,7 +156,7 @@ class JobLock:
         deadline = time.monotonic() + ACQUIRE_S
         while time.monotonic() < deadline:
             self._info["heartbeat_at"] = time.time()
-            if self._create(json.dumps(self._info).encode()):
+            if self.fs.put_if_absent(self.path, json.dumps(self._info).encode()):
                 self._last_beat = self._info["heartbeat_at"]
                 self._start_heartbeat()
                 return
@@ -169,61 +170,28 @@ class JobLock:
                 time.sleep(0.05)  # another process is taking it over: see what it leaves
         raise LockHeld(read_lock(self.path)[0], self.path)
 
-    def _create(self, content: bytes) -> bool:
-        tmp = tmp_name(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            atomic_write_bytes(tmp, content)
-            try:
-                os.link(tmp, self.path)  # atomic, and fails if a lock exists
-            except FileExistsError:
-                return False
-            except OSError:  # no hard links here (FUSE object-store mounts)
-                return self._create_exclusive(content)
-            _fsync_dir(self.path.parent)
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _create_exclusive(self, content: bytes, path: Path | None = None) -> bool:
-        path = path or self.path
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            os.write(fd, content)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        _fsync_dir(path.parent)
-        return True
-
     def _take_over(self, ident: str) -> bool:
         """Remove the stale lock whose identity is `ident`, under its claim; False when another process holds it."""
-        claim = self.path.with_name(f".{self.path.name}.takeover-{ident}")
-        if not self._create_exclusive(json.dumps(self._info).encode(), claim):
+        fs, claim = self.fs, self.path.with_name(f".{self.path.name}.takeover-{ident}")
+        if not fs.put_if_absent(claim, json.dumps(self._info).encode()):
             try:
-                abandoned = time.time() - os.stat(claim).st_mtime > self.lease_s
+                abandoned = time.time() - fs.mtime(claim) > self.lease_s
             except FileNotFoundError:
                 return False
             if abandoned:  # its claimant died inside a takeover
                 aside = claim.with_name(f"{claim.name}.{uuid.uuid4().hex[:8]}.abandoned")
                 try:
-                    os.rename(claim, aside)
-                    aside.unlink(missing_ok=True)
+                    fs.rename(claim, aside)
+                    fs.delete(aside)
                 except FileNotFoundError:
                     pass
             return False
         try:
             raw = _read_raw(self.path)
             if raw is not None and _identity(raw) == ident:
-                self.path.unlink(missing_ok=True)  # no one else can change it while we hold its claim
+                fs.delete(self.path)  # no one else can change it while we hold its claim
         finally:
-            claim.unlink(missing_ok=True)
+            fs.delete(claim)
         return True
 
     # -- heartbeat and release ----------------------------------------------------------------------------------
@@ -247,7 +215,7 @@ class JobLock:
         if info is None or info.get("token") != self.token:
             return self._lose(f"lock now held by {info!r}" if info else "lock removed")
         try:
-            atomic_write_bytes(self.path, json.dumps({**self._info, "heartbeat_at": now}).encode())
+            self.fs.put(self.path, json.dumps({**self._info, "heartbeat_at": now}).encode())
             self._last_beat = now
         except OSError as e:
             log.warning("job lock %s: heartbeat write failed (%s); retrying", self.path, e)
@@ -266,5 +234,5 @@ class JobLock:
             self._thread = None
         info, _ = read_lock(self.path)
         if self.token is not None and not self.lost and info is not None and info.get("token") == self.token:
-            self.path.unlink(missing_ok=True)
+            self.fs.delete(self.path)
         self.token = None

@@ -21,17 +21,15 @@ through `specrun export` (or dedupe on id).
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 
-from specrun.storage.atomic import is_tmp_name
+from specrun.storage.fs import fs_of, is_tmp_name, job_path
 from specrun.storage.names import id_key
-from specrun.storage.rowfiles import Source, merge_batches, merge_rows, open_parquet, row_writer
+from specrun.storage.rowfiles import Source, gone, merge_batches, merge_rows, open_parquet, row_writer
 from specrun.storage.schemas import OUTPUT
 
 PART = re.compile(r"^([A-Za-z0-9_-]+-[0-9a-f]{16})\.parquet$")
@@ -73,34 +71,31 @@ class Compaction:
     problems: list[str] = field(default_factory=list)
 
 
-def _set_aside(path: Path, suffix: str = ".corrupt") -> None:
+def _set_aside(path, suffix: str = ".corrupt") -> None:
     try:
-        os.replace(path, path.with_name(path.name + suffix))
+        fs_of(path).rename(path, path.with_name(path.name + suffix))
     except FileNotFoundError:
         pass
 
 
 class OutputStore:
-    def __init__(self, directory: Path):
-        self.dir = Path(directory)
+    def __init__(self, directory):
+        self.dir = job_path(directory)
+        self.fs = fs_of(self.dir)
 
-    def part_path(self, prompt_id: str) -> Path:
+    def part_path(self, prompt_id: str):
         return self.dir / f"{id_key(prompt_id)}.parquet"
 
-    def write_part(self, row: dict) -> Path:
+    def write_part(self, row: dict):
         """One prompt's row, durable when this returns; a rerun replaces the same file (never a second row)."""
         path = self.part_path(row["id"])
         with row_writer(path, OUTPUT) as w:
             w.add(pa.Table.from_pylist([row], schema=OUTPUT))
         return path
 
-    def _list(self) -> tuple[dict[str, Path], list[tuple[int, Path]]]:
-        try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
-            return {}, []
+    def _list(self) -> tuple[dict, list[tuple[int, object]]]:
         parts, merged = {}, []
-        for n in names:
+        for n in self.fs.list(self.dir):
             if m := PART.match(n):
                 parts[m.group(1)] = self.dir / n
             elif m := MERGED.match(n):
@@ -121,6 +116,9 @@ class OutputStore:
                     complete = False
                     break
                 except Exception as e:  # truncated, not Parquet, checksum: its rows are not done
+                    if gone(path):  # removed by a compaction while open (object stores)
+                        complete = False
+                        break
                     snap.problems.append(f"{path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
                     if set_aside:
                         _set_aside(path)
@@ -188,6 +186,8 @@ class OutputStore:
                     except FileNotFoundError:
                         raise
                     except Exception as e:
+                        if gone(src.path):  # removed by a compaction while open (object stores)
+                            raise FileNotFoundError(str(src.path)) from e
                         snap.problems.append(f"{src.path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
                         continue
                     for r in rows:
@@ -207,10 +207,9 @@ class OutputStore:
         """Before a run: remove temporaries of killed writers, read every file in full (page checksums), move
         unreadable parts and merged files aside (`.corrupt`, keeping the readable rows of a merged file in a new
         one), and remove parts already in a merged file. Afterwards every row scan() finds is readable."""
-        if self.dir.is_dir():
-            for n in os.listdir(self.dir):
-                if is_tmp_name(n):
-                    (self.dir / n).unlink(missing_ok=True)
+        for n in self.fs.list(self.dir):
+            if is_tmp_name(n):
+                self.fs.delete(self.dir / n)
         snap = self.snapshot(keymap, set_aside=True)
         problems, res = list(snap.problems), Compaction()
         covered = set()
@@ -231,7 +230,7 @@ class OutputStore:
                 covered.update(src.ids)
         for src in (s for s in snap.sources if s.level == 0):
             if src.ids[0] in covered:
-                src.path.unlink(missing_ok=True)
+                self.fs.delete(src.path)
                 continue
             try:
                 with open_parquet(src.path) as pf:
@@ -260,7 +259,7 @@ class OutputStore:
             if wanted is not None and id_key(s.ids[0]) not in wanted:
                 continue
             if s.ids[0] in covered:  # a crash between a merge and its removals left it
-                s.path.unlink(missing_ok=True)
+                self.fs.delete(s.path)
                 res.merged_parts.append(s.ids[0])
             else:
                 fresh.append(s)
@@ -307,10 +306,10 @@ class OutputStore:
                 res.problems.append(f"{s.path.name}: {'; '.join(s.bad)} (moved aside as .corrupt)")
                 _set_aside(s.path)
             else:
-                s.path.unlink(missing_ok=True)
+                self.fs.delete(s.path)
                 if s.level == 0:
                     res.merged_parts.append(s.ids[0])
         if not written:
-            path.unlink(missing_ok=True)
+            self.fs.delete(path)
             return None
         return Source(path, written, open_parquet(path), level)

@@ -10,14 +10,13 @@ same tokens either way: I2). Markers and live files are rebuilt after a crash, s
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import shutil
-from pathlib import Path
 
 import pyarrow as pa
 
 from specrun.storage.atomic import atomic_write_json, read_json
+from specrun.storage.fs import fs_of, job_path
 from specrun.storage.names import id_key
 from specrun.storage.outputs import Compaction, OutputStore, Scan, order_key
 from specrun.storage.schemas import OUTPUT
@@ -48,13 +47,14 @@ def output_row(prompt_id: str, token_ids: list[int], text: str, finish_reason: s
 class Records:
     """Paths and readers/writers for outputs/, done/, failed/, live/ and progress/ of one job directory."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root):
+        self.root = root = job_path(root)
+        self.fs = fs_of(root)
         self.outputs, self.done, self.failed, self.live = (root / n for n in ("outputs", "done", "failed", "live"))
         self.progress = root / "progress"
         self.store = OutputStore(self.outputs)
 
-    def output_path(self, prompt_id: str) -> Path:
+    def output_path(self, prompt_id: str):
         """The part file a prompt's row is written to (merged later into a merged file)."""
         return self.store.part_path(prompt_id)
 
@@ -64,14 +64,12 @@ class Records:
         self.store.write_part(row)
         atomic_write_json(self.done / f"{key}.json", {"id": row["id"], "n_tokens": row["n_tokens"],
                                                      "output": f"outputs/{key}.parquet"}, durable=False)
-        (self.failed / f"{key}.json").unlink(missing_ok=True)
-        (self.live / f"{key}.json").unlink(missing_ok=True)
+        self.fs.delete(self.failed / f"{key}.json")
+        self.fs.delete(self.live / f"{key}.json")
 
     def drop_progress(self, prompt_id: str) -> None:
         """Remove a finished prompt's progress chunks: call only once its output row is durable."""
-        d = self.progress / id_key(prompt_id)
-        if d.exists():
-            shutil.rmtree(d)
+        self.fs.delete_tree(self.progress / id_key(prompt_id))
 
     # -- before a run (the driver, under the job lock) -------------------------------------------------------------
     def repair(self, ids: list[str]) -> Scan:
@@ -82,20 +80,21 @@ class Records:
         problems = self.store.repair(keymap, order_key({i: n for n, i in enumerate(ids)}))
         scan = self.store.scan(keymap)
         scan.problems[:0] = problems
-        markers = _keys(self.done, ".json")
+        markers = self._keys(self.done, ".json")
         for key in markers:
             pid = keymap.get(key)
             if pid is not None and pid not in scan.in_parts:
-                (self.done / f"{key}.json").unlink(missing_ok=True)
+                self.fs.delete(self.done / f"{key}.json")
         for pid in scan.in_parts - {keymap[k] for k in markers if k in keymap}:
             atomic_write_json(self.done / f"{id_key(pid)}.json", {"id": pid, "n_tokens": scan.rows[pid]["n_tokens"],
                                                                   "output": f"outputs/{id_key(pid)}.parquet"},
                               durable=False)
-        for key in _keys(self.progress, ""):
+        for key in self._keys(self.progress, ""):
             if keymap.get(key) in scan.rows:
-                shutil.rmtree(self.progress / key, ignore_errors=True)
-        for key in _keys(self.live, ".json"):
-            (self.live / f"{key}.json").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.fs.delete_tree(self.progress / key)
+        for key in self._keys(self.live, ".json"):
+            self.fs.delete(self.live / f"{key}.json")
         return scan
 
     def compact(self, ids: list[str], part_ids=None, everything: bool = False, cancel=None) -> Compaction:
@@ -103,7 +102,7 @@ class Records:
         res = self.store.compact({id_key(i): i for i in ids}, order_key({i: n for n, i in enumerate(ids)}),
                                  part_ids, everything, cancel)
         for pid in res.merged_parts:
-            (self.done / f"{id_key(pid)}.json").unlink(missing_ok=True)
+            self.fs.delete(self.done / f"{id_key(pid)}.json")
         return res
 
     # -- reading ------------------------------------------------------------------------------------------------
@@ -128,7 +127,7 @@ class Records:
         return prompt_id in self.scan([prompt_id]).rows
 
     def marker_keys(self) -> set[str]:
-        return _keys(self.done, ".json")
+        return self._keys(self.done, ".json")
 
     def read_done(self, prompt_id: str) -> dict | None:
         return _read_or_none(self.done / f"{id_key(prompt_id)}.json")
@@ -136,19 +135,19 @@ class Records:
     def output_problem(self, prompt_id: str) -> str:
         """Why a prompt with a done marker has no readable row (for status)."""
         path = self.output_path(prompt_id)
-        return f"output file {path.name} is {'unreadable' if path.exists() else 'missing'}"
+        return f"output file {path.name} is {'unreadable' if self.fs.exists(path) else 'missing'}"
 
     def mark_failed(self, prompt_id: str, error: str, attempts: int) -> None:
         info = {"id": prompt_id, "error": error, "attempts": attempts}
         atomic_write_json(self.failed / f"{id_key(prompt_id)}.json", info)
-        (self.live / f"{id_key(prompt_id)}.json").unlink(missing_ok=True)
+        self.fs.delete(self.live / f"{id_key(prompt_id)}.json")
 
     def failure(self, prompt_id: str) -> dict | None:
         p = self.failed / f"{id_key(prompt_id)}.json"
         return _read_or_none(p)
 
     def clear_failed(self, prompt_id: str) -> None:
-        (self.failed / f"{id_key(prompt_id)}.json").unlink(missing_ok=True)
+        self.fs.delete(self.failed / f"{id_key(prompt_id)}.json")
 
     def write_live(self, prompt_id: str, info: dict) -> None:
         atomic_write_json(self.live / f"{id_key(prompt_id)}.json", {"id": prompt_id, **info}, durable=False)
@@ -157,20 +156,16 @@ class Records:
         return _read_or_none(self.live / f"{id_key(prompt_id)}.json")
 
     def clear_live(self, prompt_id: str) -> None:
-        (self.live / f"{id_key(prompt_id)}.json").unlink(missing_ok=True)
+        self.fs.delete(self.live / f"{id_key(prompt_id)}.json")
+
+    def _keys(self, directory, suffix: str) -> set[str]:
+        """File keys in a directory (names minus `suffix`; hidden names and other suffixes skipped)."""
+        n = len(suffix)
+        return {x[:len(x) - n] for x in self.fs.list(directory)
+                if not x.startswith(".") and x.endswith(suffix) and "." not in x[:len(x) - n]}
 
 
-def _keys(directory: Path, suffix: str) -> set[str]:
-    """File keys in a directory (names minus `suffix`; hidden names and other suffixes skipped)."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return set()
-    n = len(suffix)
-    return {x[:len(x) - n] for x in names if not x.startswith(".") and x.endswith(suffix) and "." not in x[:len(x) - n]}
-
-
-def _read_or_none(path: Path) -> dict | None:
+def _read_or_none(path) -> dict | None:
     try:
         return read_json(path)
     except (OSError, ValueError):

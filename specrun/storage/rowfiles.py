@@ -7,8 +7,8 @@ the number of rows, nor by how many files hold them.
 - merge_rows(sources, key): the rows of several files in key order, each key once. A Source is one file whose ids
   are known up front (from its id column, or from its name); its rows are split into runs of nondecreasing key (a
   file we write is a single run) and the runs are merged with a heap. Each run holds at most one decoded row group.
-  A source whose file is opened lazily (`ids` known from its name) raises FileNotFoundError when it is gone: the
-  caller takes a new snapshot and resumes after the last key it got (`after`). key(id) orders ids; equal ids must
+  A source whose file is gone (opened lazily, or, on an object store, removed while open) raises FileNotFoundError:
+  the caller takes a new snapshot and resumes after the last key it got (`after`). key(id) orders ids; equal ids must
   have equal keys (the merge gives out one row per key).
 """
 
@@ -19,12 +19,12 @@ import heapq
 import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specrun.storage.atomic import atomic_path
+from specrun.storage.fs import fs_of, job_path
 
 ROW_GROUP_BYTES = 16 << 20  # decoded Arrow bytes: what a reader holds per file it merges
 ROW_GROUP_ROWS = 65536
@@ -33,7 +33,13 @@ WRITE_OPTIONS = dict(compression="zstd", write_page_checksum=True)
 
 def open_parquet(path: str | os.PathLike) -> pq.ParquetFile:
     """A Parquet file whose page checksums are verified as it is read."""
-    return pq.ParquetFile(path, page_checksum_verification=True)
+    path = job_path(path)
+    return pq.ParquetFile(fs_of(path).source(path), page_checksum_verification=True)
+
+
+def gone(path) -> bool:
+    """After a read error: whether the file was removed (a compaction ran: read a new snapshot), not damaged."""
+    return not fs_of(path).exists(path)
 
 
 class RowWriter:
@@ -78,9 +84,10 @@ def row_writer(path: str | os.PathLike, schema: pa.Schema, *, durable: bool = Tr
 
 @dataclass(eq=False)
 class Source:
-    """One row file in a snapshot. `pf` is open (pinned: on POSIX a file removed after it was opened stays readable)
-    when the ids were read from the file; None when they come from its name (opened when its row is needed)."""
-    path: Path
+    """One row file in a snapshot. `pf` is open (pinned: on POSIX a file removed after it was opened stays readable; on
+    an object store it does not, see gone()) when the ids were read from the file; None when they come from its name
+    (opened when its row is needed)."""
+    path: object  # a Path or an ObjectPath
     ids: list[str]
     pf: pq.ParquetFile | None = None
     level: int = 0  # 0: one prompt's part file; >= 1: a merged file
@@ -115,6 +122,8 @@ class _Run:
             except FileNotFoundError:
                 raise
             except Exception as e:  # truncated, not Parquet, checksum
+                if gone(src.path):
+                    raise FileNotFoundError(str(src.path)) from e
                 src.bad.append(f"{type(e).__name__}: {str(e)[:200]}")
                 return None
             if t.num_rows != 1 or ("id" in t.column_names and t.column("id")[0].as_py() != src.ids[0]):
@@ -127,6 +136,8 @@ class _Run:
             try:
                 self.table = src.pf.read_row_group(g, columns=self.columns)
             except Exception as e:  # a page checksum or decoding error: this row group's rows are lost
+                if gone(src.path):
+                    raise FileNotFoundError(str(src.path)) from e
                 src.bad.append(f"row group {g}: {type(e).__name__}: {str(e)[:200]}")
                 self.table = None
         return None if self.table is None else (g, self.table, pos - self.offsets[g])

@@ -9,24 +9,25 @@ Rows of tokens that a resume regenerates (chunks set aside, or never written) ar
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specrun.storage.atomic import atomic_write_table
+from specrun.storage.fs import fs_of, job_path
 from specrun.storage.names import id_key
 from specrun.storage.schemas import TIMELINE
 
 
-def timeline_path(job_root: str | os.PathLike, prompt_id: str) -> Path:
-    return Path(job_root) / "timeline" / f"{id_key(prompt_id)}.parquet"
+def timeline_path(job_root: str | os.PathLike, prompt_id: str):
+    return job_path(job_root) / "timeline" / f"{id_key(prompt_id)}.parquet"
 
 
 def read_timeline(path: str | os.PathLike) -> list[dict]:
     """The rows, by start offset (maps as dicts); [] when there is no file or it cannot be read."""
+    path = job_path(path)
     try:
-        rows = pq.read_table(path, schema=TIMELINE).to_pylist(maps_as_pydicts="strict")
+        rows = pq.read_table(fs_of(path).source(path), schema=TIMELINE).to_pylist(maps_as_pydicts="strict")
     except (OSError, pa.ArrowException):
         return []
     return sorted(rows, key=lambda r: (r["start"], r["attempt"]))
@@ -50,7 +51,7 @@ class TimelineLog:
     this attempt's (numbered one past every attempt seen in the file)."""
 
     def __init__(self, path: str | os.PathLike, resumed: int):
-        self.path = Path(path)
+        self.path = job_path(path)
         rows = read_timeline(self.path)
         self.attempt = 1 + max((r["attempt"] for r in rows), default=0)
         self.rows = rows

@@ -64,7 +64,7 @@ def test_driver_bookkeeping_is_constant_per_event(tmp_path, monkeypatch):
     job = JobDir(tmp_path / "job")
     job.create({"model": {}, "checkpoint": {}}, [PromptRecord(f"p{i}", i + 1, "x", (1, 2), {}, params)
                                                  for i in range(n)])
-    d = _Driver(job, RunOptions(quiet=True))
+    d = _Driver(job, RunOptions(quiet=True), settings={})  # no worker is started: no attempt settings needed
     d.prompts = _NoScan(d.prompts)
     monkeypatch.setattr(d.rec, "write_output", lambda row: None)  # the files are not what is measured here
     monkeypatch.setattr(d.rec, "drop_progress", lambda pid: None)
@@ -131,7 +131,9 @@ def test_a_400_prompt_job_compacts_while_readers_stream_and_ends_as_one_file(tmp
     assert summary.exit_code == 0 and len(summary.done) == n and reads[0] >= 2
     assert most_files[0] < 2 * 40 + 20  # parts and their markers never pile up past a merge
     left = sorted(str(f.relative_to(job.root)) for f in job.root.rglob("*") if f.is_file())
-    assert [f.split("/")[0] for f in left] == ["job.json", "outputs", "prompts.parquet", "state"], left
+    assert sorted({f.split("/")[0] for f in left}) == ["attempts", "job.json", "outputs", "prompts.parquet", "state",
+                                                      "timeline"], left
+    assert len([f for f in left if f.startswith("outputs/")]) == 1, left
 
     out = tmp_path / "out.parquet"
     assert export(job, "parquet", str(out)) == (n, 0)

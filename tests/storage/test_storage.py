@@ -6,8 +6,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from specrun.storage.atomic import atomic_write_bytes, atomic_write_json, local_path, read_json
+from specrun.storage.atomic import atomic_write_bytes, atomic_write_json, read_json
 from specrun.storage.chunks import chunk_name, progress_count, read_progress, write_chunk
+from specrun.storage.fs import job_path
 from specrun.storage.names import id_key
 from specrun.storage.records import Records, distinct_n, output_row
 from specrun.storage.schemas import CHUNK, OUTPUT
@@ -36,10 +37,10 @@ def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
     assert [f.name for f in tmp_path.iterdir()] == ["f.bin"]
 
 
-def test_local_path_accepts_file_uri_and_refuses_other_schemes(tmp_path):
-    assert local_path(f"file://{tmp_path}") == tmp_path
-    with pytest.raises(ValueError, match="s3://bucket/job"):
-        local_path("s3://bucket/job")
+def test_job_path_takes_local_paths_and_file_uris_and_refuses_non_object_store_schemes(tmp_path):
+    assert job_path(f"file://{tmp_path}") == tmp_path and job_path(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="hdfs://nn/job"):
+        job_path("hdfs://nn/job")
 
 
 @pytest.mark.parametrize("pid", ["../../etc/passwd", "a/b", ".hidden", "", "x" * 500, "Ünï cödé", "CON"])

@@ -1,0 +1,259 @@
+"""The job database's filesystem seam: JobFS is every operation a job directory needs (atomic put, read, list, exists,
+delete, put-if-absent); LocalFS is the local disk, objectfs.py the object stores (s3://, gs://, abfs://).
+
+A location is a pathlib.Path (local) or an ObjectPath (a key in an object store); job_path() makes one from what a user
+typed (a path, file://..., s3://bucket/prefix?endpoint_override=...), fs_of() gives its JobFS. Both kinds have `/`,
+name, parent and with_name, so code that builds paths does not care which it holds; all I/O goes through the JobFS.
+LocalFS writes a hidden temporary `.<name>.<8 hex>.tmp` in the target's directory (a glob of `*.parquet` never matches
+one), fsyncs it and renames it; durable=False skips the fsyncs (still atomic) for files rebuilt after a crash.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class JobFS(abc.ABC):
+    """What the job database does with files. `path` is a location of this filesystem (Path or ObjectPath); a file
+    becomes visible under its name only complete (I3), whatever writes it."""
+
+    @abc.abstractmethod
+    def put(self, path, data: bytes, durable: bool = True) -> None:
+        """Write `data` as the file at `path`, atomically (a reader sees the old content or the new, never part)."""
+
+    @abc.abstractmethod
+    def writing(self, path, durable: bool = True):
+        """Context manager yielding a local Path for the caller to write (e.g. a ParquetWriter); on a clean exit its
+        content becomes the file at `path` atomically, on an exception nothing changes."""
+
+    @abc.abstractmethod
+    def read(self, path) -> bytes:
+        """The file's bytes; FileNotFoundError when there is none."""
+
+    @abc.abstractmethod
+    def read_stat(self, path) -> tuple[bytes, int] | None:
+        """(bytes, mtime in ns) of the file, None when there is none."""
+
+    @abc.abstractmethod
+    def source(self, path):
+        """What pyarrow readers (pq.read_table, pq.ParquetFile) open the file from; FileNotFoundError if missing."""
+
+    @abc.abstractmethod
+    def list(self, directory) -> list[str]:
+        """Names of the entries directly under `directory`; [] when it does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, path) -> bool: ...
+
+    @abc.abstractmethod
+    def mtime(self, path) -> float:
+        """Seconds since the epoch of the last write; FileNotFoundError if missing."""
+
+    @abc.abstractmethod
+    def delete(self, path) -> None:
+        """Remove the file; nothing when it is not there."""
+
+    @abc.abstractmethod
+    def delete_tree(self, directory) -> None:
+        """Remove a directory and everything under it; nothing when it is not there."""
+
+    @abc.abstractmethod
+    def rename(self, src, dst) -> None:
+        """Move a file to another name in the same job (to set it aside); FileNotFoundError if `src` is gone."""
+
+    @abc.abstractmethod
+    def mkdir(self, directory) -> None: ...
+
+    @abc.abstractmethod
+    def put_if_absent(self, path, data: bytes) -> bool:
+        """Create the file with `data` only if there is none: of several callers exactly one gets True (the lock)."""
+
+
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def is_tmp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalFS(JobFS):
+    """The local disk (NFS and FUSE mounts included): temporary name, flush, fsync, rename; the lock file is a complete
+    temporary hard-linked to its name, or, where there are no hard links (FUSE object-store mounts), created with
+    O_CREAT|O_EXCL and then written (a reader may see it empty for a moment)."""
+
+    @contextlib.contextmanager
+    def writing(self, path, durable: bool = True):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_name(path)
+        try:
+            yield tmp
+            if durable:
+                _fsync_file(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if durable:
+            fsync_dir(path.parent)
+
+    def put(self, path, data: bytes, durable: bool = True) -> None:
+        with self.writing(path, durable) as tmp:
+            tmp.write_bytes(data)
+
+    def read(self, path) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_stat(self, path) -> tuple[bytes, int] | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read(), os.fstat(f.fileno()).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def source(self, path):
+        return path
+
+    def list(self, directory) -> list[str]:
+        try:
+            return os.listdir(directory)
+        except FileNotFoundError:
+            return []
+
+    def exists(self, path) -> bool:
+        return Path(path).exists()
+
+    def mtime(self, path) -> float:
+        return os.stat(path).st_mtime
+
+    def delete(self, path) -> None:
+        Path(path).unlink(missing_ok=True)
+
+    def delete_tree(self, directory) -> None:
+        try:
+            shutil.rmtree(directory)
+        except FileNotFoundError:
+            pass
+
+    def rename(self, src, dst) -> None:
+        os.replace(src, dst)
+
+    def mkdir(self, directory) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+
+    def put_if_absent(self, path, data: bytes) -> bool:
+        path = Path(path)
+        tmp = tmp_name(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.put(tmp, data)
+            try:
+                os.link(tmp, path)  # atomic, and fails if the file exists
+            except FileExistsError:
+                return False
+            except OSError:  # no hard links here (FUSE object-store mounts)
+                return self._create_exclusive(path, data)
+            fsync_dir(path.parent)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def _create_exclusive(path: Path, data: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        fsync_dir(path.parent)
+        return True
+
+
+LOCAL = LocalFS()  # stateless: every local location shares it
+
+
+@dataclass(frozen=True, order=True)
+class ObjectPath:
+    """A key in an object store, "bucket/prefix/name" as pyarrow names it, with the JobFS that reaches it; str() is
+    its URI (query included: what another process needs to open it)."""
+    fs: JobFS
+    key: str
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return ObjectPath(self.fs, f"{self.key}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> ObjectPath:
+        return ObjectPath(self.fs, self.key.rsplit("/", 1)[0])
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    def __str__(self) -> str:
+        return self.fs.uri(self.key)
+
+
+def job_path(location) -> Path | ObjectPath:
+    """A location from a user's string: a local path or file://... -> Path; an object-store URI -> ObjectPath
+    (ValueError naming the value when no object store serves it)."""
+    if isinstance(location, (Path, ObjectPath)):
+        return location
+    s = os.fspath(location)
+    if s.startswith("file://"):
+        return Path(s[len("file://"):])
+    if "://" not in s:
+        return Path(s)
+    from specrun.storage.objectfs import open_uri
+
+    return open_uri(s)
+
+
+def fs_of(path) -> JobFS:
+    return path.fs if isinstance(path, ObjectPath) else LOCAL
+
+
+def location(path) -> str:
+    """What another process (a Ray worker, a later command) opens the same location with: an absolute path or the
+    URI."""
+    p = job_path(path)
+    return str(p.resolve()) if isinstance(p, Path) else str(p)
