@@ -62,10 +62,11 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
 
 def start_worker(spec: WorkerSpec, slot: int, gpus_per_actor: float):
     """A GenerationWorker actor that loads nothing yet: ping() answers once it is placed, load() loads the model.
-    Two threads, so that ping and request_stop reach it while load or generate runs."""
+    One thread per sequence it generates at once, plus one, so that ping and request_stop reach it while load or
+    generate runs."""
     import ray
 
-    opts = {"max_concurrency": 2, "max_restarts": 0, "num_cpus": CPUS_PER_ACTOR}
+    opts = {"max_concurrency": spec.concurrency + 1, "max_restarts": 0, "num_cpus": CPUS_PER_ACTOR}
     if gpus_per_actor > 0:
         opts["num_gpus"] = gpus_per_actor
     return ray.remote(GenerationWorker).options(**opts).remote(spec, slot, False)

@@ -43,6 +43,8 @@ class WorkerSpec:
     threads: int = 0  # torch CPU threads (0 = leave as is)
     job_created_at: float | None = None  # the manifest's created_at: proves a worker sees the driver's job directory
     snapshot_seconds: float = 60.0  # the recycling matrix is written at most this often (a stop always writes it)
+    concurrency: int = 1  # sequences generated at once (> 1: one batched engine, decoding/batch_engine.py)
+    kv_tokens: int = 0  # with concurrency > 1: KV slots of the worker's paged pool
 
 
 def engine_config(d: dict):
@@ -63,6 +65,7 @@ class GenerationWorker:
         self.records = Records(self.root)
         self.stop = threading.Event()
         self.lm = self.engine = self.hot_source = None
+        self.batch = None  # BatchLoop when spec.concurrency > 1
         self.last_snapshot = float("-inf")
         if load:
             self.load()
@@ -116,7 +119,15 @@ class GenerationWorker:
                 raise ValueError(f"model at {spec.model!r} has fingerprint {lm.fingerprint}, the job was made with "
                                  f"{spec.fingerprint}: the model files changed")
             self.lm = lm
-            self.engine = Engine(lm, engine_config(spec.engine))
+            if spec.concurrency > 1:
+                from specrun.actors.batch_loop import BatchLoop
+                from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+
+                self.engine = BatchEngine(lm, engine_config(spec.engine),
+                                          BatchConfig(concurrency=spec.concurrency, kv_tokens=spec.kv_tokens))
+                self.batch = BatchLoop(self.engine)
+            else:
+                self.engine = Engine(lm, engine_config(spec.engine))
             self.hot_source = self._warm_start()
         return self.info()
 
@@ -145,7 +156,13 @@ class GenerationWorker:
         params = SamplingParams(**task["params"])
         resume = list(task["resume_from"])
         ckpt = _Checkpointer(self, task["id"], len(resume), params.max_tokens)
-        result = self.engine.generate(list(task["input_ids"]), params, resume_from=resume, on_step=ckpt)
+        if self.batch is None:
+            ckpt.stats = lambda: self.engine.stats
+            result = self.engine.generate(list(task["input_ids"]), params, resume_from=resume, on_step=ckpt)
+        else:  # one of up to `concurrency` sequences of the worker's batch (this call runs in its own actor thread)
+            ckpt.stats = lambda: self.batch.stats_of(task["id"])
+            result, stats = self.batch.generate(task["id"], list(task["input_ids"]), params, resume, ckpt)
+            ckpt.stats = lambda: stats
         if result.finish_reason == "stopped":
             ckpt.flush(result.token_ids)
             ckpt.best_effort("live status", self.records.clear_live, task["id"])
@@ -180,6 +197,7 @@ class _Checkpointer:
         self.failures: dict[str, list] = {}  # what -> [count, last error]
         self.timeline = TimelineLog(timeline_path(worker.root, prompt_id), resumed)
         self.row_at, self.row_stats = self.t0, {}  # where the next timeline row starts: clock, engine counters
+        self.stats = None  # () -> this generation's GenStats (set by the worker: solo engine or batch loop)
         self._live(time.monotonic(), force=True)
 
     def __call__(self, emitted: list[int]) -> bool:
@@ -232,7 +250,7 @@ class _Checkpointer:
             self._row(self.start, len(all_tokens))
 
     def _row(self, start: int, end: int) -> None:
-        now, counters = time.monotonic(), self.w.engine.stats.snapshot()
+        now, counters = time.monotonic(), self.stats().snapshot()
         self.timeline.add(chunk_row(self.timeline.attempt, start, end, now - self.row_at, time.time(), self.row_stats,
                                     counters, socket.gethostname(), self.w.slot))
         self.row_at, self.row_stats = now, counters

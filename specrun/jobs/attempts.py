@@ -33,7 +33,7 @@ def attempt_settings(manifest: dict, opts: RunOptions) -> dict:
         "device": opts.device or m["device"], "dtype": m["dtype"], "model_path": opts.model_path or m["path"],
         "engine": engine,
         "checkpoint": {"every": opts.checkpoint_every or ck["every"], "seconds": opts.checkpoint_seconds or ck["seconds"]},
-        "actors": opts.actors, "gpus_per_actor": opts.gpus_per_actor,
+        "actors": opts.actors, "gpus_per_actor": opts.gpus_per_actor, "concurrency": opts.concurrency,
         "ray_address": opts.address or os.environ.get("RAY_ADDRESS") or None,
         "hot_start": [location(h) for h in opts.hot_start],
     }

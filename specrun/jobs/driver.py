@@ -122,7 +122,18 @@ class _Driver(_Slots):
                           trust_remote_code=m.get("trust_remote_code", False), engine=s["engine"],
                           checkpoint_every=ck["every"], checkpoint_seconds=ck["seconds"],
                           hot_start=tuple(s["hot_start"]), threads=1 if s["device"] == "cpu" else 0,
-                          job_created_at=self.manifest.get("created_at"))
+                          job_created_at=self.manifest.get("created_at"), **self._batching())
+
+    def _batching(self) -> dict:
+        """--concurrency N: N sequences per worker, in a KV pool that holds N of the job's longest (prompt + max_tokens)."""
+        n = self.settings.get("concurrency", 1)
+        if n == 1:
+            return {}
+        engine = self.settings["engine"]
+        if engine.get("heads_path"):
+            raise JobError(f"--concurrency {n}: drafting with heads does not run batched yet; use --concurrency 1")
+        need = max(p.n_input + p.params.max_tokens for p in self.prompts.values()) + engine["trie_budget"] + 1
+        return {"concurrency": n, "kv_tokens": n * need}
 
     def _run_ray(self, queue: deque) -> None:
         import ray
@@ -221,14 +232,17 @@ class _Driver(_Slots):
                     res = ray.get(ref, timeout=0)
                 except ray.exceptions.RayTaskError as e:  # the prompt itself failed: only this prompt
                     self._fail(pid, _cause(e))
-                except ray.exceptions.RayError as e:  # the actor or its node died (or was OOM-killed): resume the
-                    # prompt from its checkpoint on a new worker
+                except ray.exceptions.RayError as e:  # the actor or its node died (or was OOM-killed): resume its
+                    # prompts (all it was running) from their checkpoints on a new worker
                     ray.kill(self.workers.pop(slot), no_restart=True)
+                    self.idle = [s for s in self.idle if s != slot]  # its free seats went with it
+                    lost = [pid] + [inflight.pop(r)[1] for r in [r for r, (s, _) in inflight.items() if s == slot]]
                     if not stopping:
                         self._launch(slot, what="replacement for lost worker")
-                    if self.attempts[pid] >= self.opts.max_attempts:
-                        self._fail(pid, f"worker lost {self.attempts[pid]} times; last error: {_cause(e)}")
-                    else:
+                    for pid in lost:
+                        if self.attempts[pid] >= self.opts.max_attempts:
+                            self._fail(pid, f"worker lost {self.attempts[pid]} times; last error: {_cause(e)}")
+                            continue
                         if not stopping:
                             self.display.warn(f"prompt {pid!r}: worker lost ({type(e).__name__}); retrying from "
                                               f"its last checkpoint")

@@ -67,7 +67,7 @@ class _Slots:
                     if ray.wait([st.load], timeout=0)[0]:
                         info = ray.get(st.load, timeout=0)
                         del self.starting[slot]
-                        self.idle.append(slot)
+                        self.idle.extend([slot] * self.spec.concurrency)  # one seat per sequence it runs at once
                         if info.get("hot_start"):
                             self.display.log(f"{who}: recycling matrix warm from {info['hot_start']}")
                     elif now - st.placed_at > self.opts.load_timeout_s:

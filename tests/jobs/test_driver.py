@@ -383,3 +383,33 @@ def test_done_marker_without_its_output_shows_repair_and_resume_regenerates_it(t
     assert out["a"]["token_ids"] == ref["a"]["token_ids"] and out["a"]["resumed_tokens"] == 0
     assert out["b"] == ref["b"] and job_status(job)["totals"]["done"] == 2
     assert not list(job.records.done.iterdir())
+
+
+def test_concurrency_4_on_2_actors_equals_solo_also_after_sigkill_and_resume(tmp_path, model):
+    """8 prompts, 4 in flight per worker (one batched engine each): each output equals the prompt generated alone, also
+    when the driver is SIGKILLed mid-job and the job resumed (resumed sequences join batches mid-run)."""
+    lines = [{"id": f"p{i}", "prompt": f"prompt number {i} " * (1 + i % 3), "max_tokens": 40 + 20 * (i % 4),
+              **({"temperature": 0.0} if i % 2 else {"seed": i})} for i in range(8)]
+    job = _job(tmp_path, model, lines, every=8, max_tokens=60, temperature=0.9, seed=7, ignore_eos=True)
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    p = subprocess.Popen([sys.executable, "-c", "from specrun.cli import main; main()", "resume", str(job.root),
+                          "--actors", "2", "--concurrency", "4", "--address", ray.get_runtime_context().gcs_address,
+                          "--quiet"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(list((job.root / "progress").glob("*/chunk-*"))) < 4:
+            assert time.monotonic() < deadline and p.poll() is None, "no checkpoints within 180 s"
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    summary = run_job(job, RunOptions(actors=2, concurrency=4, quiet=True))
+    assert summary.exit_code == 0 and len(summary.done) + len(_outputs(job)) >= 8
+    out, ref = _outputs(job), _reference(job, model)
+    assert sorted(out) == sorted(ref)
+    for pid in ref:
+        assert out[pid]["token_ids"] == ref[pid], pid
+    assert any(r["resumed_tokens"] > 0 for r in out.values())  # some prompt did resume from its checkpoints
+    assert [a["settings"]["concurrency"] for a in job_status(job)["attempts"]] == [4, 4]

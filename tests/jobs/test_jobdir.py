@@ -117,6 +117,8 @@ def test_status_and_export_of_a_partly_done_job(infos, prompts, tmp_path):
     job.acquire_lock()
     try:
         assert {r["id"]: r for r in job_status(job)["prompts"]}["a"]["state"] == "running"
+        job.records.write_live("a", {"tokens": 6, "updated_at": 1e12, "host": "h", "slot": 0, "tokens_per_s": 12.5})
+        assert job_status(job)["workers"] == {"h/0": {"running": 1, "tokens_per_s": 12.5}}  # tok/s per worker
     finally:
         job.release_lock()
 
