@@ -45,6 +45,7 @@ class WorkerSpec:
     snapshot_seconds: float = 60.0  # the recycling matrix is written at most this often (a stop always writes it)
     concurrency: int = 1  # sequences generated at once (> 1: one batched engine, decoding/batch_engine.py)
     kv_tokens: int = 0  # with concurrency > 1: KV slots of the worker's paged pool
+    page_size: int = 1  # ... in pages of this many tokens
 
 
 def engine_config(d: dict):
@@ -124,7 +125,8 @@ class GenerationWorker:
                 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 
                 self.engine = BatchEngine(lm, engine_config(spec.engine),
-                                          BatchConfig(concurrency=spec.concurrency, kv_tokens=spec.kv_tokens))
+                                          BatchConfig(concurrency=spec.concurrency, kv_tokens=spec.kv_tokens,
+                                                      page_size=spec.page_size))
                 self.batch = BatchLoop(self.engine)
             else:
                 self.engine = Engine(lm, engine_config(spec.engine))

@@ -32,7 +32,9 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     for r in range(repeat):
         k = r % len(jobs)
         for name, c in jobs[k:] + jobs[:k]:
-            engine = BatchEngine(lm, configs[name], BatchConfig(concurrency=c, kv_tokens=c * need, backend=backend))
+            page = need if lm.device.type == "cpu" and backend == "sdpa" else 16  # as the job driver pages
+            engine = BatchEngine(lm, configs[name], BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page,
+                                                                backend=backend))
             t0 = time.perf_counter()
             results = engine.run([(i, prompts[i], params, []) for i in range(c)])
             seconds = time.perf_counter() - t0

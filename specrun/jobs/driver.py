@@ -36,6 +36,7 @@ from specrun.storage.records import output_row
 
 REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
 SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
+CUDA_PAGE_SIZE = 16  # KV page of the batched engine on GPUs (flashinfer's paged kernels)
 
 def run_job(job: JobDir, opts: RunOptions, view=None) -> RunSummary:
     """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock.
@@ -133,7 +134,9 @@ class _Driver(_Slots):
         if engine.get("heads_path"):
             raise JobError(f"--concurrency {n}: drafting with heads does not run batched yet; use --concurrency 1")
         need = max(p.n_input + p.params.max_tokens for p in self.prompts.values()) + engine["trie_budget"] + 1
-        return {"concurrency": n, "kv_tokens": n * need}
+        # CPU: one page per sequence, so attention reads its keys in place as a solo run does; CUDA: flashinfer pages
+        page = need if self.settings["device"] == "cpu" else CUDA_PAGE_SIZE
+        return {"concurrency": n, "kv_tokens": n * need, "page_size": page}
 
     def _run_ray(self, queue: deque) -> None:
         import ray

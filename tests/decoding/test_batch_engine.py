@@ -85,7 +85,8 @@ def solo(lm, prompt, params, drafters, resume=()):
     return Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params, resume_from=list(resume))
 
 
-def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture):
+@pytest.mark.parametrize("page_size", [1, 256])  # 256: one page per sequence (read in place, as on CPU jobs)
+def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture, page_size):
     lm = load_fixture("llama_gqa", dtype="float32")
     tok = lm.tokenizer
     drafters = ("ngram", "recycling")
@@ -103,7 +104,7 @@ def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture)
     assert refs["stop"].finish_reason == "stop"
     for concurrency in (1, 2, 5):  # arrivals mid-run when fewer slots than requests
         engine = BatchEngine(lm, EngineConfig(drafters=drafters, adaptive_budget=False),  # every step drafts
-                             BatchConfig(concurrency=concurrency, kv_tokens=2048))
+                             BatchConfig(concurrency=concurrency, kv_tokens=5 * 256, page_size=page_size))
         got = engine.run([(key, p, params, []) for key, p, params in mixed])
         for key, _, _ in mixed:
             assert got[key].token_ids == refs[key].token_ids, (concurrency, key)
