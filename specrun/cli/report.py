@@ -9,12 +9,14 @@ from pathlib import Path
 
 import click
 
+from specrun.cli.location import JobLocation
+
 
 @click.command()
-@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("job_dir", type=JobLocation(exists=True))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The HTML page (default: JOB/report.html); PNGs of the job charts go beside it as "
-                   "<name>-<chart>.png.")
+              help="The HTML page (default: JOB/report.html, or ./<job name>-report.html for a job on an object "
+                   "store); PNGs of the job charts go beside it as <name>-<chart>.png.")
 @click.option("--prompts", "max_prompts", type=click.IntRange(min=0), default=20, show_default=True,
               help="Prompts (in input order) with their own section and line in the job charts; the job-wide curves "
                    "and totals count every prompt.")
@@ -37,7 +39,8 @@ def report(job_dir, output, max_prompts, no_png):
     from specrun.report import ReportConfig, ReportError, write_report
 
     try:
-        config = ReportConfig(output or job_dir / "report.html", max_prompts, png=not no_png)
+        default = job_dir / "report.html" if isinstance(job_dir, Path) else Path(f"{job_dir.name}-report.html")
+        config = ReportConfig(output or default, max_prompts, png=not no_png)
         files = write_report(JobDir(job_dir), config)
     except (ReportError, JobError, ValueError) as e:
         raise click.ClickException(str(e)) from e

@@ -1,6 +1,6 @@
 """A job directory on S3 (a local moto server; the endpoint in the URI, dummy credentials in the environment), end to
 end through the CLI on one local Ray: submit (the driver a subprocess), a second driver refused, status while running,
-the driver SIGKILLed mid-job, status, resume, export: outputs identical to an uninterrupted local run."""
+the driver SIGKILLed mid-job, status, resume, export, report: outputs identical to an uninterrupted local run."""
 
 from __future__ import annotations
 
@@ -99,7 +99,10 @@ def test_s3_job_submit_status_kill_resume_export_equals_a_local_run(s3, local_ra
             assert out[pid]["resumed_tokens"] >= saved[pid]
     st = _cli("status", uri, "--json")
     assert st["totals"]["done"] == len(PROMPTS) and not st["driver"]["running"]
+    _cli("report", uri, "--no-png")  # read from the bucket, written here: ./<job name>-report.html
+    assert "<html" in (tmp_path / "story-report.html").read_text()
     keys = s3.keys(bucket)
     assert "jobs/story/lock.json" not in keys and not any("/progress/" in k and ".parquet" in k for k in keys)
     assert [k for k in keys if k.startswith("jobs/story/outputs/") and k.endswith(".parquet")]
-    assert sorted(os.listdir(tmp_path)) == ["local", "local.jsonl", "prompts.jsonl", "s3.jsonl", "submit.log"]
+    assert sorted(os.listdir(tmp_path)) == ["local", "local.jsonl", "prompts.jsonl", "s3.jsonl", "story-report.html",
+                                            "submit.log"]
