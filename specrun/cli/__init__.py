@@ -25,12 +25,13 @@ def main() -> None:
 
 def _register() -> None:
     from specrun.cli.bench import bench
+    from specrun.cli.detach import stop
     from specrun.cli.generate import generate
     from specrun.cli.jobs import export, resume, status, submit
     from specrun.cli.report import report
     from specrun.cli.train import train_heads
 
-    for cmd in (generate, submit, resume, status, export, report, train_heads, bench):
+    for cmd in (generate, submit, resume, status, stop, export, report, train_heads, bench):
         main.add_command(cmd)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from specrun.cli.detach import check_detach, run_detached
 from specrun.cli.location import JobLocation
 from specrun.cli.options import (ENGINE_FLAGS, engine_config_from, engine_options, model_options, sampling_options,
                                  sampling_params_from)
@@ -35,6 +36,8 @@ run_options = [
     click.option("--hot-start", "hot_start", multiple=True, type=JobLocation(exists=True),
                  help="Earlier job dir on the same model whose recycling matrix warms cold workers."),
     click.option("--quiet", "-q", is_flag=True, help="No progress output (warnings and errors only)."),
+    click.option("--detach", is_flag=True, help="Run the driver on the Ray cluster at --address (its dashboard, "
+                 "http://HEAD:8265) as a Ray Job and return at once; the job dir must be at the same path there."),
 ]
 
 
@@ -115,6 +118,7 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, default_job_dir, prepare_job
 
+    check_detach(kw["detach"], address)
     params = sampling_params_from(kw, max_tokens)
     engine = engine_config_from(kw)
     from specrun.models.loader import resolve_dtype
@@ -138,6 +142,8 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
         raise click.ClickException(str(e)) from e
     if not quiet:
         click.echo(f"{'created' if created else 'resuming'} job {job.root}", err=True)
+    if kw["detach"]:
+        sys.exit(run_detached(click.get_current_context(), job, address))
     sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, info.path, device=device, engine=engine,
                   checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds))
 
@@ -170,6 +176,7 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
     from specrun.actors.worker import engine_config
     from specrun.jobs.jobdir import JobDir, JobError
 
+    check_detach(kw["detach"], address)
     job = JobDir(job_dir)
     try:
         manifest = job.manifest()
@@ -188,6 +195,8 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
                 f"model {model_path!r} (fingerprint {info.fingerprint}) is not the job's model "
                 f"{manifest['model']['path']!r} (fingerprint {manifest['model']['fingerprint']}); refusing to resume")
         model_path = info.path
+    if kw["detach"]:
+        sys.exit(run_detached(ctx, job, address, model_path))
     given = {n for n in ctx.params if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT}
     try:
         engine = engine_config_from(kw, engine_config(manifest["engine"]), given) if given & set(ENGINE_FLAGS) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from specrun.jobs.attempts import describe, read_attempts
+from specrun.jobs.detach import describe_detached, detached_status
 from specrun.jobs.jobdir import JobDir
 from specrun.storage.atomic import read_json
 from specrun.storage.chunks import progress_count
@@ -79,6 +80,7 @@ def job_status(job: JobDir) -> dict:
         "totals": {**counts, "total": len(rows), "tokens": sum(r["tokens"] for r in rows),
                    "tokens_per_s": running_rate, "eta_s": left / running_rate if running_rate > 0 else None},
         "attempts": read_attempts(job),  # what each run (submit, resume) used, oldest first
+        "detached": detached_status(job),  # the latest `--detach` run and its Ray job's status, None if none
     }
 
 
@@ -106,6 +108,8 @@ def status_renderable(st: dict):
                      + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; ETA {_eta(tot['eta_s'])}")]
     if st["attempts"]:
         lines.append(Text(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}"))
+    if st.get("detached"):
+        lines.append(Text(describe_detached(st["detached"])))
     return Group(*lines)
 
 
