@@ -7,6 +7,7 @@ driver's lock (same host: its pid is gone; another host: its heartbeat is older 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 import os
@@ -19,16 +20,20 @@ import pyarrow.parquet as pq
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import PromptRecord
-from specrun.storage.atomic import atomic_write_json, atomic_write_table, read_json
+from specrun.storage.atomic import atomic_write_json, read_json
 from specrun.storage.fs import fs_of, job_path, location as location_of
-from specrun.storage.lock import JobLock, LockHeld
+from specrun.storage.lock import JobLock, LockHeld, read_lock
 from specrun.storage.names import id_key
 from specrun.storage.records import Records
+from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import PROMPTS
 
 # manifest entries that change the generated tokens: they must match to resume (the attention backend can change the
 # logits' last bits); every other setting may change between attempts (jobs/attempts.py)
 OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "params", "engine.attention")
+# the top-level keys of a manifest (submit.build_manifest, and the checksums JobDir.create adds)
+MANIFEST_KEYS = {"specrun_version", "schema_version", "created_at", "input", "model", "params", "engine", "checkpoint",
+                 "prompts_sha256", "checksum"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class JobDir:
         self.lock = JobLock(self.lock_path)
         self.state_dir = self.root / "state"
         self.attempts_dir = self.root / "attempts"
+        self._prompts_checked = False
 
     @property
     def location(self) -> str:
@@ -69,29 +75,66 @@ class JobDir:
 
     # -- manifest and prompts -----------------------------------------------------------------------------------
     def manifest(self) -> dict:
+        """job.json; JobError naming it when it is missing, unreadable or fails its checksum (it cannot be rebuilt)."""
         if not self.exists():
             raise JobError(f"{self.root} is not a specrun job (no job.json)")
-        return read_json(self.manifest_path)
+        try:
+            m = read_json(self.manifest_path)
+            # older jobs have no checksum, but never a key we do not know (a flipped bit in a key's name)
+            ok = isinstance(m, dict) and set(m) <= MANIFEST_KEYS and m.get("checksum", _checksum(m)) == _checksum(m)
+            why = "its checksum does not match its content"
+        except (OSError, ValueError) as e:
+            ok, why = False, f"{type(e).__name__}: {str(e)[:200]}"
+        if not ok:
+            raise JobError(f"{self.manifest_path} is damaged ({why}): the job's manifest is written once and cannot "
+                           f"be rebuilt; restore it from a copy, or submit the prompts again with another --job-dir")
+        return m
 
     def create(self, manifest: dict, prompts: list[PromptRecord]) -> None:
-        """Prompts first, manifest last: a directory without job.json is not a job yet (a crash here is redone)."""
+        """Prompts first, manifest last: a directory without job.json is not a job yet (a crash here is redone). Both
+        carry checksums (Parquet page CRCs; the manifest's "checksum"): damage is refused, never read as settings."""
         rows = [{"id": p.id, "line": p.line, "text": p.text, "input_ids": list(p.input_ids),
                  "overrides": json.dumps(p.overrides, sort_keys=True),
                  "params": json.dumps(dataclasses.asdict(p.params), sort_keys=True), "source": p.source}
                 for p in prompts]
-        atomic_write_table(self.prompts_path, pa.Table.from_pylist(rows, schema=PROMPTS))
-        atomic_write_json(self.manifest_path, manifest)
+        with row_writer(self.prompts_path, PROMPTS) as w:
+            w.add(pa.Table.from_pylist(rows, schema=PROMPTS))
+        manifest = {**manifest, "prompts_sha256": self._prompts_sha256()}
+        atomic_write_json(self.manifest_path, {**manifest, "checksum": _checksum(manifest)})
+
+    def _prompts_sha256(self) -> str:
+        h = hashlib.sha256()
+        with pa.input_stream(self.fs.source(self.prompts_path)) as f:  # streamed: it can be GBs
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def _prompt_table(self, columns=None) -> pa.Table:
+        """prompts.parquet; JobError naming it when it cannot be read or is not the file job.json recorded (checked
+        once per JobDir: Parquet's page checksums leave out the page headers, where a flipped bit can drop values)."""
+        try:
+            if not self._prompts_checked:
+                want = self.manifest().get("prompts_sha256")  # jobs made before it have none
+                if want is not None and self._prompts_sha256() != want:
+                    raise ValueError("its sha256 is not the one job.json recorded")
+                self._prompts_checked = True
+            return pq.read_table(self.fs.source(self.prompts_path), columns=columns, schema=PROMPTS,
+                                 page_checksum_verification=True)
+        except (OSError, ValueError, pa.ArrowException) as e:  # missing, truncated, a flipped bit
+            raise JobError(f"{self.prompts_path} is damaged ({type(e).__name__}: {str(e)[:200]}): the job's "
+                           f"validated prompts cannot be rebuilt from the job; restore it from a copy, or submit the "
+                           f"prompts again with another --job-dir (the finished rows are in {self.root}/outputs)"
+                           ) from None
 
     def prompts(self) -> list[PromptRecord]:
-        t = pq.read_table(self.fs.source(self.prompts_path), schema=PROMPTS)
+        t = self._prompt_table()
         return [PromptRecord(r["id"], r["line"], r["text"], tuple(r["input_ids"]), json.loads(r["overrides"]),
                              SamplingParams(**json.loads(r["params"])), r["source"]) for r in t.to_pylist()]
 
     def prompt_infos(self) -> tuple[list[PromptInfo], pa.ChunkedArray]:
         """What the driver keeps per prompt (no token ids, no text), and the input_ids column as Arrow (4 bytes a
         token, not a Python int each): PromptInfo.row indexes it."""
-        t = pq.read_table(self.fs.source(self.prompts_path), columns=["id", "line", "input_ids", "params"],
-                          schema=PROMPTS)
+        t = self._prompt_table(["id", "line", "input_ids", "params"])
         lens = pc.list_value_length(t.column("input_ids")).to_pylist()
         infos = [PromptInfo(pid, line, n, SamplingParams(**json.loads(params)), row) for row, (pid, line, n, params)
                  in enumerate(zip(t.column("id").to_pylist(), t.column("line").to_pylist(), lens,
@@ -100,12 +143,12 @@ class JobDir:
 
     def prompt_ids(self) -> list[str]:
         """The prompts' ids in input order (reads one column)."""
-        t = pq.read_table(self.fs.source(self.prompts_path), columns=["id"], schema=PROMPTS)
+        t = self._prompt_table(["id"])
         return t.column("id").to_pylist()
 
     def prompt_sources(self):
         """(id, source) of every prompt in input order: the field its line gave it in (None in jobs older than that)."""
-        t = pq.read_table(self.fs.source(self.prompts_path), columns=["id", "source"], schema=PROMPTS)
+        t = self._prompt_table(["id", "source"])
         return zip(t.column("id").to_pylist(), t.column("source").to_pylist())
 
     # -- lock -----------------------------------------------------------------------------------------------------
@@ -117,14 +160,20 @@ class JobDir:
         try:
             self.lock.acquire()
         except LockHeld as e:
-            o = e.owner or {}
-            beat = o.get("heartbeat_at")
+            if e.owner is None:  # damaged, or being created by a driver starting now: held until a lease old
+                mtime = read_lock(self.lock_path)[1]
+                ago = f"written {time.time() - mtime:.0f} s ago" if mtime is not None else "gone now"
+                raise JobError(f"{self.lock_path} cannot be read (damaged, or a driver is starting right now); it "
+                               f"counts as held until it is {self.lock.lease_s:g} s old ({ago}); if no driver runs "
+                               f"this job, delete it") from None
+            o = {k: v for k, v in e.owner.items() if isinstance(v, (str, int, float))}  # as written, or damaged
+            beat, started = o.get("heartbeat_at"), o.get("started_at")
             since = f", last heartbeat {time.time() - beat:.0f} s ago" if isinstance(beat, (int, float)) else ""
             raise JobError(
                 f"job {self.root} is being run by another driver (pid {o.get('pid')} on {o.get('host')}, since "
-                f"{time.ctime(o.get('started_at', 0))}{since}); if that driver is gone for good, delete "
-                f"{self.lock_path}, or wait for its lease ({o.get('lease_s', '?')} s after its last heartbeat) to "
-                f"expire") from None
+                f"{time.ctime(started) if isinstance(started, (int, float)) else '?'}{since}); if that driver is "
+                f"gone for good, delete {self.lock_path}, or wait for its lease ({o.get('lease_s', '?')} s after its "
+                f"last heartbeat) to expire") from None
 
     def release_lock(self) -> None:
         self.lock.release()
@@ -158,6 +207,12 @@ def engine_json(engine: EngineConfig) -> dict:
     """An EngineConfig as manifests and attempt records store it (tuples -> lists; actors.worker.engine_config()
     rebuilds it)."""
     return json.loads(json.dumps(dataclasses.asdict(engine)))
+
+
+def _checksum(manifest: dict) -> str:
+    """sha256 of the manifest's content (its "checksum" entry left out), as JSON with sorted keys."""
+    rest = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _param_defaults() -> dict:

@@ -6,6 +6,7 @@ a lost one) fails within place_timeout_s naming the resources; the job stays res
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -32,7 +33,6 @@ from specrun.jobs.status import job_status, render_status
 from specrun.jobs.submit import JobSettings, prepare_job
 from specrun.storage.atomic import atomic_write_json, atomic_write_table
 from specrun.storage.chunks import write_chunk
-from specrun.storage.schemas import PROMPTS
 
 ray = pytest.importorskip("ray")
 QUIET = RunOptions(quiet=True)
@@ -147,10 +147,9 @@ def test_corrupt_chunks_are_regenerated_and_others_left_alone(tmp_path, model):
 
 def test_application_error_fails_only_that_prompt(tmp_path, model):
     job = _job(tmp_path, model, [{"id": "ok", "prompt": "fine"}, {"id": "bad", "prompt": "broken"}], max_tokens=10)
-    # damage the stored prompt after validation: the engine rejects the token id
-    rows = [dict(r, input_ids=[10**6]) if r["id"] == "bad" else r for r in
-            pa.parquet.read_table(job.prompts_path).to_pylist()]
-    atomic_write_table(job.prompts_path, pa.Table.from_pylist(rows, schema=PROMPTS))
+    # store a prompt that validation would have refused: the engine rejects the token id
+    job.create(job.manifest(), [dataclasses.replace(p, input_ids=(10**6,)) if p.id == "bad" else p
+                                for p in job.prompts()])
     summary = run_job(job, QUIET)
     assert summary.exit_code == EXIT_FAILED and list(summary.failed) == ["bad"] and summary.done == ["ok"]
     assert "outside the model vocabulary" in summary.failed["bad"]
