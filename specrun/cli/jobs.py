@@ -35,6 +35,9 @@ run_options = [
                  help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started quietly)."),
     click.option("--hot-start", "hot_start", multiple=True, type=JobLocation(exists=True),
                  help="Earlier job dir on the same model whose recycling matrix warms cold workers."),
+    click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Prompts each worker generates at once, one batched verify forward per step (n-gram and "
+                      "recycling drafting; --heads needs 1). The outputs are the same whatever N."),
     click.option("--quiet", "-q", is_flag=True, help="No progress output (warnings and errors only)."),
     click.option("--detach", is_flag=True, help="Run the driver on the Ray cluster at --address (its dashboard, "
                  "http://HEAD:8265) as a Ray Job and return at once; the job dir must be at the same path there."),
@@ -145,7 +148,8 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     if kw["detach"]:
         sys.exit(run_detached(click.get_current_context(), job, address))
     sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, info.path, device=device, engine=engine,
-                  checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds))
+                  checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
+                  concurrency=kw["concurrency"]))
 
 
 @click.command()
@@ -204,7 +208,8 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
         raise click.ClickException(f"{job.manifest_path}: engine settings unreadable ({e})") from e
     sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path, device=device, engine=engine,
                   checkpoint_every=checkpoint_every if "checkpoint_every" in given else None,
-                  checkpoint_seconds=checkpoint_seconds if "checkpoint_seconds" in given else None))
+                  checkpoint_seconds=checkpoint_seconds if "checkpoint_seconds" in given else None,
+                  concurrency=kw["concurrency"]))
 
 
 @click.command()

@@ -64,7 +64,8 @@ def job_status(job: JobDir) -> dict:
                 rate = info.get("tokens_per_s") or 0.0
                 left = max(0, p.params.max_tokens - info.get("tokens", 0))
                 row.update(state="running", tokens=info.get("tokens", 0), tokens_per_s=rate,
-                           mean_accepted=info.get("mean_accepted"), eta_s=left / rate if rate > 0 else None)
+                           mean_accepted=info.get("mean_accepted"), eta_s=left / rate if rate > 0 else None,
+                           worker=f"{info.get('host', '?')}/{info.get('slot', '?')}")
             else:
                 row.update(state="pending", tokens=saved())
         rows.append(row)
@@ -72,6 +73,12 @@ def job_status(job: JobDir) -> dict:
     for r in rows:
         counts[r["state"]] += 1
     running_rate = sum(r["tokens_per_s"] or 0 for r in rows if r["state"] == "running")
+    workers: dict[str, dict] = {}  # host/slot -> prompts it runs now and their summed tok/s (--concurrency > 1)
+    for r in rows:
+        if r["state"] == "running":
+            w = workers.setdefault(r["worker"], {"running": 0, "tokens_per_s": 0.0})
+            w["running"] += 1
+            w["tokens_per_s"] += r["tokens_per_s"] or 0.0
     left = sum(max(0, r["max_tokens"] - r["tokens"]) for r in rows if r["state"] in ("pending", "running", "repair"))
     return {
         "job": str(job.root), "model": manifest["model"]["path"],
@@ -79,6 +86,7 @@ def job_status(job: JobDir) -> dict:
         "prompts": rows,
         "totals": {**counts, "total": len(rows), "tokens": sum(r["tokens"] for r in rows),
                    "tokens_per_s": running_rate, "eta_s": left / running_rate if running_rate > 0 else None},
+        "workers": workers,
         "attempts": read_attempts(job),  # what each run (submit, resume) used, oldest first
         "detached": detached_status(job),  # the latest `--detach` run and its Ray job's status, None if none
     }
@@ -106,6 +114,9 @@ def status_renderable(st: dict):
     lines = [t, Text(f"{tot['done']}/{tot['total']} done, {tot['running']} running, {tot['pending']} pending, "
                      f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
                      + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; ETA {_eta(tot['eta_s'])}")]
+    if st.get("workers"):
+        lines.append(Text("workers: " + "; ".join(f"{w} {v['running']} running, {v['tokens_per_s']:.1f} tok/s"
+                                                  for w, v in sorted(st["workers"].items()))))
     if st["attempts"]:
         lines.append(Text(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}"))
     if st.get("detached"):
