@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from specrun.cli.location import JobLocation
 from specrun.storage.fs import location
 
 # never carried into the detached command: it runs `resume JOB`, on the cluster it is sent to
@@ -69,7 +70,7 @@ def run_detached(ctx: click.Context, job, address: str | None, model_path: str |
 
 
 @click.command()
-@click.argument("job_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("job_dir", type=JobLocation(exists=True))
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="Seconds to wait for the driver to checkpoint and exit (0: ask it to stop and return).")
 def stop(job_dir, wait_s):

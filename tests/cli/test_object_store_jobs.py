@@ -1,6 +1,6 @@
 """A job directory on S3 (a local moto server; the endpoint in the URI, dummy credentials in the environment), end to
 end through the CLI on one local Ray: submit (the driver a subprocess), a second driver refused, status while running,
-the driver SIGKILLed mid-job, status, resume, export, report: outputs identical to an uninterrupted local run."""
+the driver SIGKILLed mid-job, status, stop, resume, export, report: outputs identical to an uninterrupted local run."""
 
 from __future__ import annotations
 
@@ -89,6 +89,8 @@ def test_s3_job_submit_status_kill_resume_export_equals_a_local_run(s3, local_ra
     assert not st["driver"]["running"] and "jobs/story/lock.json" in s3.keys(bucket)  # a dead driver's lock
     saved = {r["id"]: r["tokens"] for r in st["prompts"] if r["state"] == "pending"}
     assert sum(saved.values()) >= 16 and st["totals"]["done"] < len(PROMPTS)
+    r = CliRunner().invoke(main, ["stop", uri])
+    assert r.exit_code == 0 and "nothing to stop" in r.output, r.output
 
     _cli("resume", uri, "-q")
     _cli("export", uri, "-o", tmp_path / "s3.jsonl")
