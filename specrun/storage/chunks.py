@@ -53,12 +53,12 @@ def _read_valid(path, start: int, end: int) -> list[int] | None:
         if t.num_rows != 1:
             return None
         row = t.to_pylist()[0]
-    except Exception:  # truncated, not Parquet, wrong schema
+        toks = row["token_ids"]
+        ok = (row["start"] == start and row["end"] == end and len(toks) == end - start
+              and row["checksum"] == checksum(start, end, toks))
+    except Exception:  # truncated, not Parquet, wrong schema, or nulls where a flipped bit put them
         return None
-    toks = row["token_ids"]
-    if row["start"] != start or row["end"] != end or len(toks) != end - start:
-        return None
-    return toks if row["checksum"] == checksum(start, end, toks) else None
+    return toks if ok else None
 
 
 def _set_aside(path, suffix: str) -> None:

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from specrun.storage.fs import fs_of, is_tmp_name, job_path
 from specrun.storage.names import id_key
-from specrun.storage.rowfiles import Source, gone, merge_batches, merge_rows, open_parquet, row_writer
+from specrun.storage.rowfiles import Source, bad_rows, gone, merge_batches, merge_rows, open_parquet, row_writer
 from specrun.storage.schemas import OUTPUT
 
 PART = re.compile(r"^([A-Za-z0-9_-]+-[0-9a-f]{16})\.parquet$")
@@ -216,7 +216,8 @@ class OutputStore:
         for src in (s for s in snap.sources if s.level > 0):
             for g in range(src.pf.metadata.num_row_groups):
                 try:
-                    src.pf.read_row_group(g)
+                    if bad := bad_rows(src.pf.read_row_group(g)):
+                        src.bad.append(f"row group {g}: {len(bad)} row(s) do not match their checksum")
                 except Exception as e:
                     src.bad.append(f"row group {g}: {type(e).__name__}: {str(e)[:200]}")
             if src.bad:  # keep what can be read in a new file; the rest is regenerated
@@ -235,8 +236,8 @@ class OutputStore:
             try:
                 with open_parquet(src.path) as pf:
                     t = pf.read()
-                ok = t.num_rows == 1 and t.column("id")[0].as_py() == src.ids[0]
-                err = "it does not hold the row its name says"
+                ok = t.num_rows == 1 and t.column("id")[0].as_py() == src.ids[0] and not bad_rows(t)
+                err = "it does not hold the row its name says, or its row does not match its checksum"
             except Exception as e:
                 ok, err = False, f"{type(e).__name__}: {str(e)[:200]}"
             if not ok:

@@ -19,6 +19,7 @@ from specrun.storage.atomic import atomic_write_json, read_json
 from specrun.storage.fs import fs_of, job_path
 from specrun.storage.names import id_key
 from specrun.storage.outputs import Compaction, OutputStore, Scan, order_key
+from specrun.storage.rowfiles import row_checksum
 from specrun.storage.schemas import OUTPUT
 
 
@@ -38,6 +39,7 @@ def output_row(prompt_id: str, token_ids: list[int], text: str, finish_reason: s
         "seconds": float(stats.get("seconds", 0.0)), "steps": int(stats.get("steps", 0)),
         "mean_accepted": float(stats.get("mean_accepted", 0.0)), "tokens_per_s": float(stats.get("tokens_per_s", 0.0)),
         "attempts": attempts, "stats": json.dumps(stats, sort_keys=True),
+        "checksum": row_checksum(prompt_id, token_ids, text, finish_reason),
     }
     for n in range(1, 5):
         row[f"distinct_{n}"] = distinct_n(token_ids, n)

@@ -3,7 +3,9 @@ the number of rows, nor by how many files hold them.
 
 - row_writer(path, schema): rows in (Arrow tables of any length), one Parquet file out, atomically (temporary name,
   fsync, rename: I3). A row group is cut every ROW_GROUP_BYTES of Arrow data or ROW_GROUP_ROWS rows; zstd; every
-  page carries a CRC that open_parquet() verifies on read, so a flipped bit is an error, never a wrong token.
+  page carries a CRC that open_parquet() verifies on read. Page headers have none (a flipped bit there can drop or
+  shift values unseen), so each output row also carries a checksum of what it says (id, token_ids, text,
+  finish_reason: row_checksum); a row that does not match it is unreadable, never a wrong token.
 - merge_rows(sources, key): the rows of several files in key order, each key once. A Source is one file whose ids
   are known up front (from its id column, or from its name); its rows are split into runs of nondecreasing key (a
   file we write is a single run) and the runs are merged with a heap. Each run holds at most one decoded row group.
@@ -15,16 +17,19 @@ the number of rows, nor by how many files hold them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import heapq
 import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specrun.storage.atomic import atomic_path
 from specrun.storage.fs import fs_of, job_path
+from specrun.storage.schemas import OUTPUT
 
 ROW_GROUP_BYTES = 16 << 20  # decoded Arrow bytes: what a reader holds per file it merges
 ROW_GROUP_ROWS = 65536
@@ -35,6 +40,51 @@ def open_parquet(path: str | os.PathLike) -> pq.ParquetFile:
     """A Parquet file whose page checksums are verified as it is read."""
     path = job_path(path)
     return pq.ParquetFile(fs_of(path).source(path), page_checksum_verification=True)
+
+
+def row_checksum(prompt_id: str, token_ids, text: str, finish_reason: str) -> str:
+    """sha256 of an output row's content (token ids as little-endian int32), for its "checksum" column."""
+    h = hashlib.sha256()
+    for part in (prompt_id.encode(), np.asarray(token_ids, dtype="<i4").tobytes(), text.encode(),
+                 finish_reason.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def bad_rows(table: pa.Table, columns=None) -> set[int]:
+    """Rows of an output table read for `columns` (None: all) that do not match their checksum; all of them when its
+    columns are not those asked for, with OUTPUT's types (a flipped bit in the footer renamed or retyped one). Rows
+    read without the checksummed columns, or written before checksums, are checked for their columns only."""
+    want = list(columns) if columns is not None else OUTPUT.names
+    names = table.schema.names
+    if names not in (want, [n for n in want if n != "checksum"]) or any(
+            n not in OUTPUT.names or OUTPUT.field(n).type != table.schema.field(n).type for n in names):
+        return set(range(table.num_rows))
+    names = ("id", "token_ids", "text", "finish_reason", "checksum")
+    if not set(names) <= set(table.column_names):
+        return set()
+    ids, toks, texts, reasons, sums = (table.column(n) for n in names)
+    bad = set()
+    for i in range(table.num_rows):
+        want = sums[i].as_py()
+        try:
+            ok = want is None or want == row_checksum(ids[i].as_py(), toks[i].values.to_numpy(zero_copy_only=False),
+                                                      texts[i].as_py(), reasons[i].as_py())
+        except (TypeError, ValueError, AttributeError, pa.ArrowException):  # nulls where a flipped bit put them
+            ok = False
+        if not ok:
+            bad.add(i)
+    return bad
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with `schema`'s columns, in its order: a column added since the file was written is null."""
+    if table.schema.names == schema.names:
+        return table
+    cols = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+            for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
 
 
 def gone(path) -> bool:
@@ -51,6 +101,7 @@ class RowWriter:
 
     def add(self, table: pa.Table) -> None:
         """Rows to write; a row group is cut at group_rows rows, or once it holds group_bytes (by whole rows)."""
+        table = conform(table, self._w.schema)  # rows of files written before a column was added
         while table.num_rows:
             head = table.slice(0, self._group_rows - self._rows)
             table = table.slice(head.num_rows)
@@ -106,6 +157,7 @@ class _Run:
         self.src, self.start, self.end, self.columns = src, start, end, columns
         self.group = -1
         self.table: pa.Table | None = None
+        self.bad: set[int] = set()  # rows of self.table that do not match their checksum
         if src.pf is not None:
             md = src.pf.metadata
             self.offsets = [0]
@@ -129,18 +181,27 @@ class _Run:
             if t.num_rows != 1 or ("id" in t.column_names and t.column("id")[0].as_py() != src.ids[0]):
                 src.bad.append("does not hold the row its name says")
                 return None
+            if bad_rows(t, self.columns):
+                src.bad.append("its row does not match its checksum")
+                return None
             return 0, t, 0
         g = bisect_right(self.offsets, pos) - 1
         if g != self.group:
             self.group = g
             try:
                 self.table = src.pf.read_row_group(g, columns=self.columns)
+                self.bad = bad_rows(self.table, self.columns)
             except Exception as e:  # a page checksum or decoding error: this row group's rows are lost
                 if gone(src.path):
                     raise FileNotFoundError(str(src.path)) from e
                 src.bad.append(f"row group {g}: {type(e).__name__}: {str(e)[:200]}")
                 self.table = None
-        return None if self.table is None else (g, self.table, pos - self.offsets[g])
+        if self.table is None:
+            return None
+        if pos - self.offsets[g] in self.bad:
+            src.bad.append(f"row {pos} does not match its checksum")
+            return None
+        return g, self.table, pos - self.offsets[g]
 
 
 def _runs(src: Source, key, columns) -> list[_Run]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: prompts.source
+SCHEMA_VERSION = 3  # 2: prompts.source; 3: outputs.checksum
 
 PROMPTS = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -46,6 +46,8 @@ OUTPUT = pa.schema([
     pa.field("distinct_4", pa.float64(), nullable=False),
     pa.field("attempts", pa.int32(), nullable=False),
     pa.field("stats", pa.string(), nullable=False),  # JSON of the engine stats
+    # rowfiles.row_checksum of (id, token_ids, text, finish_reason); null in rows written before schema version 3
+    pa.field("checksum", pa.string()),
 ])
 
 TIMELINE = pa.schema([  # one row per checkpoint chunk of a prompt, and one for the tokens after its last chunk

@@ -28,7 +28,7 @@ def read_timeline(path: str | os.PathLike) -> list[dict]:
     path = job_path(path)
     try:
         rows = pq.read_table(fs_of(path).source(path), schema=TIMELINE).to_pylist(maps_as_pydicts="strict")
-    except (OSError, pa.ArrowException):
+    except Exception:  # missing, truncated, not Parquet, or a flipped bit (duplicate map keys: KeyError)
         return []
     return sorted(rows, key=lambda r: (r["start"], r["attempt"]))
 

@@ -98,3 +98,29 @@ def test_a_lock_that_cannot_be_parsed_is_named_and_counts_as_held_for_a_lease(jo
         assert "counts as held until it is 120 s old (written 0 s ago)" in r.stderr
     finally:
         job.lock_path.unlink()
+
+
+def test_no_flipped_bit_of_an_output_file_or_chunk_is_read_as_other_tokens(tmp_path):
+    """Parquet's page CRCs leave out the page headers: the output row's own checksum, and the chunk's, catch the rest.
+    A damaged row or chunk is skipped (the prompt is generated again), never read as other content."""
+    from specrun.storage.chunks import read_progress, write_chunk
+    from specrun.storage.records import Records, output_row
+
+    rec = Records(tmp_path / "job")
+    toks = [(7 * i) % 250 for i in range(40)]
+    rec.write_output(output_row("p/1", toks, "some text", "length", {"steps": 3}, prompt_tokens=2, resumed_tokens=0,
+                                attempts=1))
+    good = [t.to_pylist() for _, t in rec.iter_outputs(["p/1"])]
+    assert len(good) == 1 and good[0][0]["token_ids"] == toks
+
+    def check_output(pos, bit):
+        got = [t.to_pylist() for _, t in rec.iter_outputs(["p/1"])]
+        assert got in ([], good), (pos, bit)
+
+    _each_flip(rec.output_path("p/1"), check_output)
+    chunk = write_chunk(tmp_path / "progress", 0, toks)
+
+    def check_chunk(pos, bit):
+        assert read_progress(tmp_path / "progress", quarantine=False) in ([], toks), (pos, bit)
+
+    _each_flip(chunk, check_chunk)
