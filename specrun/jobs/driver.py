@@ -23,7 +23,6 @@ import signal
 import time
 from collections import deque
 
-from specrun.actors.worker import WorkerSpec
 from specrun.jobs.attempts import attempt_settings, recorded_attempt
 from specrun.jobs.compaction import Compactor
 from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
@@ -31,12 +30,12 @@ from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.progress import Snapshot, make_view
 from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, RunSummary  # noqa: F401
 from specrun.jobs.slots import _cause, _Slots, _Start
+from specrun.jobs.workerspec import worker_spec
 from specrun.storage.chunks import read_progress
 from specrun.storage.records import output_row
 
 REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
 SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
-CUDA_PAGE_SIZE = 16  # KV page of the batched engine on GPUs (flashinfer's paged kernels)
 
 def run_job(job: JobDir, opts: RunOptions, view=None) -> RunSummary:
     """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock.
@@ -116,28 +115,6 @@ class _Driver(_Slots):
             self.display.warn(m)
 
     # -- Ray ----------------------------------------------------------------------------------------------------
-    def _spec(self) -> WorkerSpec:
-        m, s, ck = self.manifest["model"], self.settings, self.settings["checkpoint"]
-        return WorkerSpec(job_dir=self.job.location, model=s["model_path"],
-                          fingerprint=m["fingerprint"], dtype=s["dtype"], device=s["device"],
-                          trust_remote_code=m.get("trust_remote_code", False), engine=s["engine"],
-                          checkpoint_every=ck["every"], checkpoint_seconds=ck["seconds"],
-                          hot_start=tuple(s["hot_start"]), threads=1 if s["device"] == "cpu" else 0,
-                          job_created_at=self.manifest.get("created_at"), **self._batching())
-
-    def _batching(self) -> dict:
-        """--concurrency N: N sequences per worker, in a KV pool that holds N of the job's longest (prompt + max_tokens)."""
-        n = self.settings.get("concurrency", 1)
-        if n == 1:
-            return {}
-        engine = self.settings["engine"]
-        if engine.get("heads_path"):
-            raise JobError(f"--concurrency {n}: drafting with heads does not run batched yet; use --concurrency 1")
-        need = max(p.n_input + p.params.max_tokens for p in self.prompts.values()) + engine["trie_budget"] + 1
-        # CPU: one page per sequence, so attention reads its keys in place as a solo run does; CUDA: flashinfer pages
-        page = need if self.settings["device"] == "cpu" else CUDA_PAGE_SIZE
-        return {"concurrency": n, "kv_tokens": n * need, "page_size": page}
-
     def _run_ray(self, queue: deque) -> None:
         import ray
 
@@ -160,7 +137,7 @@ class _Driver(_Slots):
             if short:
                 raise JobError(f"cannot start the generation workers: {short}. Nothing was run; "
                                f"`specrun resume {self.job.root}` continues the job")
-            spec = self._spec()
+            spec = worker_spec(self.job, self.manifest, self.settings, self.prompts.values())
             if not cuda:  # split this machine's cores between the local CPU actors
                 spec = dataclasses.replace(spec, threads=max(1, (os.cpu_count() or 1) // n))
             self.spec = spec
