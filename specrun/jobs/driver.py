@@ -29,7 +29,7 @@ from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.progress import Snapshot, make_view
 from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, RunSummary  # noqa: F401
-from specrun.jobs.slots import _cause, _Slots, _Start
+from specrun.jobs.slots import _cause, _node_lost, _Slots, _Start
 from specrun.jobs.workerspec import worker_spec
 from specrun.storage.chunks import read_progress
 from specrun.storage.records import output_row
@@ -69,6 +69,7 @@ class _Driver(_Slots):
         self.starting: dict[int, _Start] = {}
         self.idle: list[int] = []
         self.dropped: dict[int, tuple[str, str]] = {}  # slot -> (which worker, why) it has no worker any more
+        self.lost_nodes: list[str] = []  # Ray nodes that died with a worker on them (named in errors)
         self.stop_timed_out = False
         self.last_refresh = 0.0
 
@@ -217,6 +218,9 @@ class _Driver(_Slots):
                     ray.kill(self.workers.pop(slot), no_restart=True)
                     self.idle = [s for s in self.idle if s != slot]  # its free seats went with it
                     lost = [pid] + [inflight.pop(r)[1] for r in [r for r, (s, _) in inflight.items() if s == slot]]
+                    node = _node_lost(e)
+                    if node and node not in self.lost_nodes:
+                        self.lost_nodes.append(node)
                     if not stopping:
                         self._launch(slot, what="replacement for lost worker")
                     for pid in lost:
@@ -224,8 +228,9 @@ class _Driver(_Slots):
                             self._fail(pid, f"worker lost {self.attempts[pid]} times; last error: {_cause(e)}")
                             continue
                         if not stopping:
-                            self.display.warn(f"prompt {pid!r}: worker lost ({type(e).__name__}); retrying from "
-                                              f"its last checkpoint")
+                            self.display.warn(f"prompt {pid!r}: worker lost ({type(e).__name__}"
+                                              f"{f'; its {node} died' if node else ''}); retrying from its last "
+                                              f"checkpoint")
                         queue.appendleft(self.prompts[pid])
                     continue
                 self.idle.append(slot)

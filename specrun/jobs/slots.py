@@ -7,6 +7,7 @@ A mixin of jobs.driver._Driver (it uses self.spec, self.gpus, self.opts, self.di
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -81,9 +82,18 @@ class _Slots:
         for slot, (who, why) in self.dropped.items():
             by_why.setdefault((who.rsplit(" ", 1)[0], why), []).append(slot)
         whys = "; ".join(f"{kind} {', '.join(map(str, slots))} {why}" for (kind, why), slots in by_why.items())
-        return JobError(f"the generation workers could not start: {whys}. Checkpointed tokens are kept; "
+        lost = f" (workers were lost with {', '.join(self.lost_nodes)})" if self.lost_nodes else ""
+        return JobError(f"the generation workers could not start: {whys}{lost}. Checkpointed tokens are kept; "
                         f"`specrun resume {self.job.root}` continues the job")
 
+
+
+def _node_lost(e: BaseException) -> str | None:
+    """'node 16abc0e6f8d9 (192.0.2.2)' when Ray says the actor died because its node died, else None."""
+    text = str(e)
+    node = re.search(r"its node has died\. Node Id: ([0-9a-f]+)", text)
+    ip = re.search(r"^\s*ip: (\S+)", text, re.M)
+    return f"node {node.group(1)[:12]}" + (f" ({ip.group(1)})" if ip else "") if node else None
 
 
 def _cause(e: BaseException) -> str:
