@@ -24,7 +24,7 @@ from specrun.storage.chunks import _NAME
 
 ray = pytest.importorskip("ray")
 LINES = [{"id": "a", "prompt": "first"}, {"id": "b", "prompt": "second one"}, {"id": "c", "prompt": "3"}]
-SAMPLING = ["--max-tokens", "200", "--temperature", "1.0", "--seed", "9", "--ignore-eos", "--dtype", "float32"]
+SAMPLING = ["--max-tokens", "120", "--temperature", "1.0", "--seed", "9", "--ignore-eos", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module", autouse=True)
