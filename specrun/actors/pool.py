@@ -53,9 +53,7 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
         main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
         old = signal.signal(signal.SIGHUP, signal.SIG_IGN) if main else None
         try:
-            # "local": a new Ray of our own even when `ray start` left a cluster on this machine (ray.init would
-            # otherwise join it and refuse num_cpus)
-            ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+            ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
         finally:
             if main:
                 signal.signal(signal.SIGHUP, old)
