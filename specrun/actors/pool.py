@@ -53,7 +53,14 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
         main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
         old = signal.signal(signal.SIGHUP, signal.SIG_IGN) if main else None
         try:
-            ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+            try:
+                ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+            except ValueError as e:  # `ray start` left a cluster on this machine: ray.init joins it, refusing num_cpus
+                if "existing cluster" not in str(e):
+                    raise
+                raise ConnectionError("a Ray cluster started with `ray start` runs on this machine, and a local run "
+                                      "would join it: give --address auto to run on it, or stop it (`ray stop`)"
+                                      ) from None
         finally:
             if main:
                 signal.signal(signal.SIGHUP, old)

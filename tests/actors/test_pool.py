@@ -19,3 +19,19 @@ def test_unreachable_ray_address_fails_fast_with_the_address():
         _probe(f"127.0.0.1:{port}", 5)
     assert time.monotonic() - t0 < 5
     _probe("auto", 5)  # no host:port: left to Ray
+
+
+def test_a_cluster_left_by_ray_start_is_named_not_a_traceback(monkeypatch):
+    """ray.init() without an address joins a cluster that `ray start` advertised on this machine and then refuses
+    num_cpus with a ValueError: init_ray turns that into a ConnectionError saying what to do."""
+    ray = pytest.importorskip("ray")
+    from specrun.actors.pool import init_ray
+
+    def init(**kwargs):
+        raise ValueError("When connecting to an existing cluster, num_cpus and num_gpus must not be provided.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConnectionError, match="--address auto"):
+        init_ray(None, num_cpus=2)
