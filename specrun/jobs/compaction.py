@@ -13,6 +13,7 @@ import threading
 
 import specrun.storage.outputs as outputs
 from specrun.storage.records import Records
+from specrun.storage.timeline import merge_timelines
 
 
 class Compactor:
@@ -20,6 +21,7 @@ class Compactor:
         self.rec, self.ids = rec, ids
         self.parts_per_merge = parts_per_merge or outputs.PARTS_PER_MERGE
         self.pending: list[str] = []  # prompts whose row is in a part file not yet handed to a merge
+        self.timelines: list[str] = []  # prompts finished in this run whose timeline file is not merged yet
         self.messages: list[str] = []  # warnings from the thread, for the driver to show
         self.lost: list[str] = []  # prompts whose row turned out unreadable: not done any more
         self.merges = 0
@@ -29,6 +31,7 @@ class Compactor:
     def add(self, prompt_id: str) -> None:
         """A prompt's part was written; start a background merge when enough have accumulated."""
         self.pending.append(prompt_id)
+        self.timelines.append(prompt_id)
         if len(self.pending) >= self.parts_per_merge and not self.busy:
             ids, self.pending = self.pending, []
             self._thread = threading.Thread(target=self._run, args=(ids, False), name="specrun-compaction",
@@ -52,6 +55,13 @@ class Compactor:
             return
         self.merges += 1
         self.messages.extend(res.problems)
+        n = len(self.timelines)  # the driver thread may append meanwhile: take the first n, atomically
+        done = self.timelines[:n]
+        del self.timelines[:n]
+        try:
+            merge_timelines(self.rec.root, done, fold_merged=everything)  # a finished job: one timeline file
+        except Exception as e:  # best-effort like the outputs' merge: the files stay readable where they are
+            self.messages.append(f"timeline compaction failed ({type(e).__name__}: {e}); the report still reads them")
         if res.lost:
             self.lost.extend(res.lost)
             self.messages.append(f"{len(res.lost)} output row(s) were unreadable and are not done any more "

@@ -63,3 +63,6 @@ TIMELINE = pa.schema([  # one row per checkpoint chunk of a prompt, and one for 
     pa.field("host", pa.string(), nullable=False),
     pa.field("slot", pa.int32(), nullable=False),  # the worker's slot
 ])
+# finished prompts' timelines merged into one file by the driver's compaction (storage/timeline.py merge_timelines)
+MERGED_TIMELINE = pa.schema([pa.field("id", pa.string(), nullable=False), *TIMELINE])
+
