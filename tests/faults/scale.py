@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def _usage(t0: float, cpu0: float, **extra) -> dict:
     """Wall and CPU seconds of the operation (this process, all its threads), and its peak RSS (VmHWM: unlike
     ru_maxrss, not inherited from the parent that forked it)."""
@@ -100,8 +101,7 @@ def run(n: int, tokens: int, workdir: Path, check: int = 50, model: str | None =
         model = str(build_tiny_model(workdir / "model", arch="llama", heads=4, kv_heads=4, seed=1))
     prompts = workdir / "prompts.jsonl"
     with open(prompts, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"p{i:06d}", "prompt": f"prompt number {i}"}) + "\n")
+        f.writelines(json.dumps({"id": f"p{i:06d}", "prompt": f"prompt number {i}"}) + "\n" for i in range(n))
     t0 = time.monotonic()
     job, _ = prepare_job(prompts, workdir / "job", model_info(model),
                          JobSettings(checkpoint_every=max(1, tokens // 2)),  # chunk files too, removed when done
