@@ -1,6 +1,6 @@
 """The driver's output compaction: finished prompts' part files are merged into merged files (storage/outputs.py) in a
 background thread once PARTS_PER_MERGE have accumulated, and at the end of a run; when every prompt is done the
-outputs end as one Parquet file in input order.
+outputs end as one Parquet file in input order. The merged rows' timelines are merged with them (storage/timeline.py).
 
 One compaction at a time, only in the process that holds the job lock; it is crash-safe at any point (a merged file
 appears complete or not at all, and its inputs are removed only after), and cancellable (a second Ctrl-C).
@@ -21,7 +21,6 @@ class Compactor:
         self.rec, self.ids = rec, ids
         self.parts_per_merge = parts_per_merge or outputs.PARTS_PER_MERGE
         self.pending: list[str] = []  # prompts whose row is in a part file not yet handed to a merge
-        self.timelines: list[str] = []  # prompts finished in this run whose timeline file is not merged yet
         self.messages: list[str] = []  # warnings from the thread, for the driver to show
         self.lost: list[str] = []  # prompts whose row turned out unreadable: not done any more
         self.merges = 0
@@ -31,7 +30,6 @@ class Compactor:
     def add(self, prompt_id: str) -> None:
         """A prompt's part was written; start a background merge when enough have accumulated."""
         self.pending.append(prompt_id)
-        self.timelines.append(prompt_id)
         if len(self.pending) >= self.parts_per_merge and not self.busy:
             ids, self.pending = self.pending, []
             self._thread = threading.Thread(target=self._run, args=(ids, False), name="specrun-compaction",
@@ -55,13 +53,12 @@ class Compactor:
             return
         self.merges += 1
         self.messages.extend(res.problems)
-        n = len(self.timelines)  # the driver thread may append meanwhile: take the first n, atomically
-        done = self.timelines[:n]
-        del self.timelines[:n]
+        # the timelines follow their output rows; a finished job sweeps them all (those a crash left unmerged too)
         try:
-            merge_timelines(self.rec.root, done, fold_merged=everything)  # a finished job: one timeline file
+            merge_timelines(self.rec.root, self.ids if everything else res.merged_parts, fold=everything)
         except Exception as e:  # best-effort like the outputs' merge: the files stay readable where they are
-            self.messages.append(f"timeline compaction failed ({type(e).__name__}: {e}); the report still reads them")
+            self.messages.append(f"timeline compaction failed ({type(e).__name__}: {e}); the report still reads them, "
+                                 f"and the job's last compaction merges them")
         if res.lost:
             self.lost.extend(res.lost)
             self.messages.append(f"{len(res.lost)} output row(s) were unreadable and are not done any more "

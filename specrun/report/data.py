@@ -16,7 +16,7 @@ from specrun.jobs.jobdir import JobDir
 from specrun.jobs.status import job_status
 from specrun.storage.chunks import read_progress
 from specrun.storage.records import distinct_n
-from specrun.storage.timeline import prompt_timeline, read_merged_timelines
+from specrun.storage.timeline import read_timelines
 
 TARGET = "target"  # tokens the verify forward chose itself (one per step), beside those a drafter proposed
 POSITION_BINS = 40  # the job-wide curves: rows of every prompt pooled into at most this many bins of position
@@ -53,7 +53,7 @@ def gather(job: JobDir) -> JobReport:
     cols = [f"distinct_{n}" for n in range(1, 5)]
     done = job.records.scan(ids, ["id", *cols]).rows
     prompts = []
-    merged = read_merged_timelines(job.root)
+    timelines = read_timelines(job.root, ids)  # own files of running prompts, merged ones of finished prompts
     for r in st["prompts"]:
         if r["id"] in done:
             distinct = [done[r["id"]][c] for c in cols]
@@ -61,7 +61,7 @@ def gather(job: JobDir) -> JobReport:
             toks = read_progress(job.progress_dir(r["id"]), quarantine=False)
             distinct = [distinct_n(toks, n) for n in range(1, 5)] if toks else None
         prompts.append(PromptReport(r["id"], r["state"], r["tokens"], r["max_tokens"], r["finish_reason"],
-                                    prompt_timeline(job.root, r["id"], merged), distinct))
+                                    timelines.get(r["id"], []), distinct))
     return JobReport(st["job"], st["model"], time.time(), st["totals"], prompts)
 
 

@@ -119,14 +119,14 @@ def test_finished_prompts_leave_one_output_file_and_no_chunks_markers_or_live_fi
                                                       "timeline"], left
     assert len([f for f in left if f.startswith("outputs/")]) == 1, left
     assert list(_outputs(job)) == [str(i) for i in range(5)]
-    from specrun.storage.timeline import read_merged_timelines
+    from specrun.report.data import gather
 
     timelines = [f for f in left if f.startswith("timeline/")]  # the 5 prompts' timelines, merged into one file
     assert len(timelines) == 1 and timelines[0].startswith("timeline/merged."), left
-    merged = read_merged_timelines(job.root)
-    assert sorted(merged) == [str(i) for i in range(5)]
-    for rows in merged.values():  # every token of every prompt is covered once, in order
-        spans = [(r["start"], r["end"]) for r in rows]
+    report = gather(job)
+    assert [p.id for p in report.prompts] == [str(i) for i in range(5)]
+    for p in report.prompts:  # the report still shows every token of every prompt once, in order
+        spans = [(r["start"], r["end"]) for r in p.rows]
         assert spans[0][0] == 0 and spans[-1][1] == 12 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 

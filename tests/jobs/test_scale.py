@@ -136,6 +136,7 @@ def test_a_400_prompt_job_compacts_while_readers_stream_and_ends_as_one_file(tmp
     assert sorted({f.split("/")[0] for f in left}) == ["attempts", "job.json", "outputs", "prompts.parquet", "state",
                                                       "timeline"], left
     assert len([f for f in left if f.startswith("outputs/")]) == 1, left
+    assert len([f for f in left if f.startswith("timeline/")]) == 1, left  # every prompt's timeline in one file
 
     out = tmp_path / "out.parquet"
     assert export(job, "parquet", str(out)) == (n, 0)

@@ -94,6 +94,7 @@ def test_the_interrupted_job_reports_what_was_checkpointed(job):
 def test_the_resumed_job_covers_every_token_once_and_marks_each_resume(job):
     job, _ = job
     assert not list((job.root / "progress").glob("*/chunk-*"))  # finished prompts dropped their chunks
+    assert [f.name.split(".")[0] for f in (job.root / "timeline").iterdir()] == ["merged"]  # and own timelines
     outputs = {r["id"]: r for r in job.records.read_outputs().to_pylist()}
     rep = gather(job)
     for p in rep.prompts:
