@@ -30,7 +30,7 @@ from specrun.report.data import gather, totals
 
 ray = pytest.importorskip("ray")
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-MAX_TOKENS = 160
+MAX_TOKENS = 600  # long enough that the first prompt cannot finish before the Ctrl-C is acted on
 PROMPTS = [{"id": "a", "prompt": "first"}, {"id": "b</script><i>2", "prompt": "second"}]
 
 
