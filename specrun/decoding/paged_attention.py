@@ -30,10 +30,25 @@ def _gather(store: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
     return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n]
 
 
-def attend_sdpa(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling) -> torch.Tensor:
+def sdpa_masks(plan: BatchPlan, G: int, device) -> list[torch.Tensor | None]:
+    """Per sequence the solo path's mask (prefix visible, tree mask on the new tokens, repeated for G query heads per
+    KV head), built once per forward; None for one new token (it sees every key). # -> [1, 1, G*T_i, S_i] bool"""
+    masks = []
+    for i in range(plan.batch_size):
+        T, S = plan.qo_len(i), plan.kv_len(i)
+        if T == 1:
+            masks.append(None)
+            continue
+        mask = torch.ones((T, S), dtype=torch.bool, device=device)
+        mask[:, S - T :] = plan.tree_masks[i].to(device)
+        masks.append((mask.repeat(G, 1) if G > 1 else mask)[None, None])
+    return masks
+
+
+def attend_sdpa(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling, masks) -> torch.Tensor:
     """Per sequence, exactly the solo path (decoding/attention.py): GQA folded into the query axis, the prefix visible.
 
-    # q: [Ntok, Hq, D] -> [Ntok, Hq, D]
+    # q: [Ntok, Hq, D], masks: sdpa_masks(plan, Hq // Hkv) -> [Ntok, Hq, D]
     """
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_store.shape[1]
@@ -44,12 +59,7 @@ def attend_sdpa(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling) -> 
         T, S = b - a, plan.kv_len(i)
         keys, values = _gather(k_store, plan.pages(i), S), _gather(v_store, plan.pages(i), S)
         qg = q[a:b].transpose(0, 1).reshape(1, Hkv, G * T, D)
-        mask = None
-        if T > 1:
-            mask = torch.ones((T, S), dtype=torch.bool, device=q.device)
-            mask[:, S - T :] = plan.tree_masks[i].to(q.device)
-            mask = (mask.repeat(G, 1) if G > 1 else mask)[None, None]  # [1, 1, G*T, S]
-        o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=mask, scale=scaling)
+        o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=masks[i], scale=scaling)
         out[a:b] = o.reshape(Hq, T, D).transpose(0, 1)
     return out
 
@@ -114,6 +124,7 @@ class BatchContext:
     plan: BatchPlan
     backend: str = "sdpa"
     flashinfer: FlashInferAttention | None = None
+    _masks: list | None = None  # sdpa: per-sequence masks, built at the first layer and kept for the others
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
         """Write the new tokens' K/V into their pages, then attend. # q: [1, Hq, N, D], k/v: [1, Hkv, N, D] -> [1, N, Hq, D]"""
@@ -127,5 +138,7 @@ class BatchContext:
         elif self.backend == "paged":
             out = attend_paged(self.plan, k_store, v_store, qn, scaling)
         else:
-            out = attend_sdpa(self.plan, k_store, v_store, qn, scaling)
+            if self._masks is None:
+                self._masks = sdpa_masks(self.plan, q.shape[1] // k.shape[1], q.device)
+            out = attend_sdpa(self.plan, k_store, v_store, qn, scaling, self._masks)
         return out[None]
