@@ -29,7 +29,7 @@ from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.progress import Snapshot, make_view
 from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, RunSummary  # noqa: F401
-from specrun.jobs.slots import _cause, _node_lost, _Slots, _Start
+from specrun.jobs.slots import _cause, _Slots, _Start
 from specrun.jobs.workerspec import worker_spec
 from specrun.storage.chunks import read_progress
 from specrun.storage.records import output_row
@@ -213,25 +213,8 @@ class _Driver(_Slots):
                     res = ray.get(ref, timeout=0)
                 except ray.exceptions.RayTaskError as e:  # the prompt itself failed: only this prompt
                     self._fail(pid, _cause(e))
-                except ray.exceptions.RayError as e:  # the actor or its node died (or was OOM-killed): resume its
-                    # prompts (all it was running) from their checkpoints on a new worker
-                    ray.kill(self.workers.pop(slot), no_restart=True)
-                    self.idle = [s for s in self.idle if s != slot]  # its free seats went with it
-                    lost = [pid] + [inflight.pop(r)[1] for r in [r for r, (s, _) in inflight.items() if s == slot]]
-                    node = _node_lost(e)
-                    if node and node not in self.lost_nodes:
-                        self.lost_nodes.append(node)
-                    if not stopping:
-                        self._launch(slot, what="replacement for lost worker")
-                    for pid in lost:
-                        if self.attempts[pid] >= self.opts.max_attempts:
-                            self._fail(pid, f"worker lost {self.attempts[pid]} times; last error: {_cause(e)}")
-                            continue
-                        if not stopping:
-                            self.display.warn(f"prompt {pid!r}: worker lost ({type(e).__name__}"
-                                              f"{f'; its {node} died' if node else ''}); retrying from its last "
-                                              f"checkpoint")
-                        queue.appendleft(self.prompts[pid])
+                except ray.exceptions.RayError as e:  # the actor or its node died (or was OOM-killed)
+                    self._worker_lost(slot, pid, e, inflight, queue, stopping)
                     continue
                 self.idle.append(slot)
                 self._dispatch(queue, inflight, stopping)  # the worker goes on while the output row is written

@@ -2,7 +2,8 @@
 idle <-> busy; a lost worker is relaunched; one past a deadline, or failing to start, is dropped with a warning, and
 with none left the run ends with a JobError naming what is missing (the job stays resumable).
 
-A mixin of jobs.driver._Driver (it uses self.spec, self.gpus, self.opts, self.display, self.job and the slot dicts).
+A mixin of jobs.driver._Driver (it uses self.spec, self.gpus, self.opts, self.display, self.job, the slot dicts,
+and for a lost worker's prompts self.attempts, self.prompts, self.lost_nodes and self._fail).
 """
 
 from __future__ import annotations
@@ -76,6 +77,28 @@ class _Slots:
                                               f"(RunOptions.load_timeout_s)")
             except ray.exceptions.RayError as e:  # died while starting, or the model failed to load
                 self._drop(slot, who, f"failed while starting: {_cause(e)}")
+
+    def _worker_lost(self, slot: int, pid: str, e, inflight: dict, queue, stopping: bool) -> None:
+        """Resume every prompt the lost worker ran (pid and the others in flight on it) from their checkpoints on a
+        replacement; a prompt lost max_attempts times fails."""
+        import ray
+
+        ray.kill(self.workers.pop(slot), no_restart=True)
+        self.idle = [s for s in self.idle if s != slot]  # its free seats went with it
+        lost = [pid] + [inflight.pop(r)[1] for r in [r for r, (s, _) in inflight.items() if s == slot]]
+        node = _node_lost(e)
+        if node and node not in self.lost_nodes:
+            self.lost_nodes.append(node)
+        if not stopping:
+            self._launch(slot, what="replacement for lost worker")
+        for pid in lost:
+            if self.attempts[pid] >= self.opts.max_attempts:
+                self._fail(pid, f"worker lost {self.attempts[pid]} times; last error: {_cause(e)}")
+                continue
+            if not stopping:
+                self.display.warn(f"prompt {pid!r}: worker lost ({type(e).__name__}"
+                                  f"{f'; its {node} died' if node else ''}); retrying from its last checkpoint")
+            queue.appendleft(self.prompts[pid])
 
     def _no_worker_error(self) -> JobError:
         by_why: dict[tuple[str, str], list[int]] = {}
