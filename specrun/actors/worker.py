@@ -44,8 +44,10 @@ class WorkerSpec:
     job_created_at: float | None = None  # the manifest's created_at: proves a worker sees the driver's job directory
     snapshot_seconds: float = 60.0  # the recycling matrix is written at most this often (a stop always writes it)
     concurrency: int = 1  # sequences generated at once (> 1: one batched engine, decoding/batch_engine.py)
-    kv_tokens: int = 0  # with concurrency > 1: KV slots of the worker's paged pool
-    page_size: int = 1  # ... in pages of this many tokens
+    auto_concurrency: bool = False  # concurrency is a cap: load() lowers it to what the KV memory budget holds
+    kv_need: int = 0  # KV slots one sequence may need (the job's longest prompt + max_tokens + a trie)
+    page_size: int = 1  # the batched engine's KV pages hold this many tokens
+    workers: int = 1  # the run's workers (a CPU worker's memory budget is its share)
 
 
 def engine_config(d: dict):
@@ -66,7 +68,8 @@ class GenerationWorker:
         self.records = Records(self.root)
         self.stop = threading.Event()
         self.lm = self.engine = self.hot_source = None
-        self.batch = None  # BatchLoop when spec.concurrency > 1
+        self.batch = None  # BatchLoop when it runs more than one sequence at once
+        self.concurrency = 1  # sequences at once, resolved by load()
         self.last_snapshot = float("-inf")
         if load:
             self.load()
@@ -120,12 +123,14 @@ class GenerationWorker:
                 raise ValueError(f"model at {spec.model!r} has fingerprint {lm.fingerprint}, the job was made with "
                                  f"{spec.fingerprint}: the model files changed")
             self.lm = lm
-            if spec.concurrency > 1:
+            self.concurrency = self._concurrency()
+            if self.concurrency > 1:
                 from specrun.actors.batch_loop import BatchLoop
                 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 
                 self.engine = BatchEngine(lm, engine_config(spec.engine),
-                                          BatchConfig(concurrency=spec.concurrency, kv_tokens=spec.kv_tokens,
+                                          BatchConfig(concurrency=self.concurrency,
+                                                      kv_tokens=self.concurrency * spec.kv_need,
                                                       page_size=spec.page_size))
                 self.batch = BatchLoop(self.engine)
             else:
@@ -133,8 +138,24 @@ class GenerationWorker:
             self.hot_source = self._warm_start()
         return self.info()
 
+    def _concurrency(self) -> int:
+        """Sequences at once: --concurrency N, checked against the KV memory budget, or with auto what it holds."""
+        from specrun.actors.memory import check_concurrency, fit_concurrency, kv_budget_bytes
+        from specrun.decoding.paged_runner import kv_bytes_per_token
+
+        spec = self.spec
+        if spec.concurrency == 1:
+            return 1
+        per_token = kv_bytes_per_token(self.lm.model.config, self.lm.dtype)
+        budget = kv_budget_bytes(spec.device, spec.workers)
+        if spec.auto_concurrency:
+            return fit_concurrency(spec.concurrency, spec.kv_need, per_token, budget)
+        check_concurrency(spec.concurrency, spec.kv_need, per_token, budget)
+        return spec.concurrency
+
     def info(self) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source}
+        return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source,
+                "concurrency": self.concurrency}
 
     def save_state(self) -> None:
         """Write the recycling matrix snapshot now (OSError when that fails); the driver calls it at the end."""

@@ -1,7 +1,7 @@
 """Aggregate throughput with N different prompts in flight on one worker: AR and speculative, batched, side by side.
 
 run_concurrency(...) -> one dict per timed run (name, concurrency, tokens_per_s, ...); each sequence's tokens are
-compared with the same prompt's concurrency-1 output of that run kind (they must be equal up to a near tie).
+compared with the same prompt's AR output at the lowest concurrency: equal, or differing first at a reported near tie.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from collections.abc import Callable
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import EngineConfig
+from specrun.decoding.neartie import check_divergence
 from specrun.decoding.sampling import SamplingParams
+
+REFERENCE = "specrun_ar"  # the run kind whose lowest-concurrency tokens every other run is checked against
 
 
 def prompt_variants(text: str, n: int) -> list[str]:
@@ -27,7 +30,7 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
     need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
     jobs = [(name, c) for c in levels for name in configs]
-    solo: dict[tuple[str, int], list[int]] = {}
+    outputs: list[dict[int, list[int]]] = []  # per row: each prompt's tokens
     out = []
     for r in range(repeat):
         k = r % len(jobs)
@@ -43,15 +46,33 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
                    "tokens_per_s": tokens / seconds,
                    "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
                    "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
-            if c == min(levels):
-                for i, res in results.items():
-                    solo.setdefault((name, i), res.token_ids)
-            row["identical_to_solo"] = all(solo.get((name, i), res.token_ids) == res.token_ids
-                                           for i, res in results.items())
+            outputs.append({i: res.token_ids for i, res in results.items()})
             out.append(row)
             log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
                 f"{row['mean_accepted']:.2f} accepted/step")
+    _check_against_ar(lm, prompts, params, out, outputs, min(levels))
     return out
+
+
+def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict], low: int) -> None:
+    """Adds identical_to_ar and divergences (first_diff, gap, near_tie per differing prompt) to every row; the
+    reference is the first AR run at the lowest concurrency (one sequence alone when it is 1)."""
+    ref_row = next((k for k, r in enumerate(rows) if r["name"] == REFERENCE and r["concurrency"] == low), None)
+    if ref_row is None:
+        return
+    reference, checked = outputs[ref_row], {}
+    for row, tokens in zip(rows, outputs):
+        row["divergences"] = []
+        for i, toks in tokens.items():
+            ref = reference.get(i)
+            if ref is None or toks == ref:
+                continue
+            key = (i, tuple(toks[: len(ref)]))
+            if key not in checked:  # each distinct divergence replays AR once
+                checked[key] = check_divergence(lm, prompts[i], params, ref, toks)
+            row["divergences"].append({"prompt": i, **checked[key].as_dict()})
+        row["identical_to_ar"] = not row["divergences"]
+        row["lossless"] = all(d["near_tie"] for d in row["divergences"])
 
 
 def _merge_widths(per_seq) -> dict[str, int]:
@@ -72,7 +93,8 @@ def summarize_concurrency(rows: list[dict]) -> list[dict]:
         tps = sorted(r["tokens_per_s"] for r in rs)
         table.append({"name": name, "concurrency": c, "tokens_per_s": tps[len(tps) // 2],
                       "mean_accepted": sum(r["mean_accepted"] for r in rs) / len(rs),
-                      "identical_to_solo": all(r["identical_to_solo"] for r in rs)})
+                      "identical_to_ar": all(r.get("identical_to_ar", True) for r in rs),
+                      "lossless": all(r.get("lossless", True) for r in rs)})
     by = {(t["name"], t["concurrency"]): t["tokens_per_s"] for t in table}
     low = min(t["concurrency"] for t in table)
     for t in table:

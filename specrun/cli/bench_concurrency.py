@@ -1,6 +1,7 @@
 """`specrun bench --concurrency 1,4,8`: aggregate tok/s with N prompts in flight on one batched worker (table or JSON).
 
-Exits 1 when a batched sequence differs from the same prompt run alone in float32/float64 (there it must be exact).
+Exits 1 when a sequence differs from the same prompt's AR tokens other than at a near tie, or at all in
+float32/float64 (there it must be exact).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
     levels = int_list(levels, "--concurrency")
     params = sampling_params_from(kw, max_tokens)
     base = engine_config_from(kw)
-    if base.heads_path or (base.drafters and any(d in ("heads", "fused") for d in base.drafters)):
-        raise click.UsageError("--concurrency runs n-gram and recycling drafting (heads do not run batched yet)")
     configs = {"specrun_ar": dataclasses.replace(base, drafters=()), "specrun_spec": base}
     try:
         dtype = resolve_dtype(dtype, model, device)
@@ -48,12 +47,13 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
         from rich.table import Table
 
         t = Table(title=f"{lm.path} {dtype}, {max_tokens} new tokens per prompt, aggregate over the prompts in flight")
-        for col in ("run", "concurrency", "tok/s", "vs concurrency 1", "vs AR", "accepted/step", "same as solo"):
+        for col in ("run", "concurrency", "tok/s", "vs concurrency 1", "vs AR", "accepted/step", "same as AR"):
             t.add_column(col)
         for r in table:
             t.add_row(r["name"], str(r["concurrency"]), f"{r['tokens_per_s']:.1f}", f"{r['vs_concurrency_1']:.2f}x",
                       f"{r['vs_ar']:.2f}x" if r["vs_ar"] else "-", f"{r['mean_accepted']:.2f}",
-                      "yes" if r["identical_to_solo"] else "no")
+                      "yes" if r["identical_to_ar"] else "near tie" if r["lossless"] else "[red]NO[/red]")
         Console(file=sys.stdout, width=160).print(t)
-    if dtype in ("float32", "float64") and not all(r["identical_to_solo"] for r in table):
+    exact = dtype in ("float32", "float64")
+    if not all(r["lossless"] and (r["identical_to_ar"] or not exact) for r in table):
         sys.exit(1)

@@ -26,6 +26,23 @@ def _finite(ctx, param, value):
     return value
 
 
+class Concurrency(click.ParamType):
+    """--concurrency: an integer >= 1, or auto."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or (isinstance(value, int) and value >= 1):
+            return value
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
+        return n
+
+
 run_options = [
     click.option("--actors", type=click.IntRange(min=1), default=None,
                  help="Worker actors. Default: 1 on CPU, one per GPU of the Ray cluster with --device cuda."),
@@ -35,9 +52,10 @@ run_options = [
                  help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started quietly)."),
     click.option("--hot-start", "hot_start", multiple=True, type=JobLocation(exists=True),
                  help="Earlier job dir on the same model whose recycling matrix warms cold workers."),
-    click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-                 help="Prompts each worker generates at once, one batched verify forward per step (n-gram and "
-                      "recycling drafting; --heads needs 1). The outputs are the same whatever N."),
+    click.option("--concurrency", type=Concurrency(), default="auto", show_default=True,
+                 help="Prompts each worker generates at once, one batched verify forward per step (--attention "
+                      "split runs one). auto: as many as the worker's KV memory holds with the job's longest "
+                      "prompt, at most 8 on CPU and 16 per GPU. The outputs are the same whatever N."),
     click.option("--quiet", "-q", is_flag=True, help="No progress output (warnings and errors only)."),
     click.option("--detach", is_flag=True, help="Run the driver on the Ray cluster at --address (its dashboard, "
                  "http://HEAD:8265) as a Ray Job and return at once; the job dir must be at the same path there."),

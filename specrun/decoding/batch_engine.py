@@ -13,13 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.budget import BudgetTuner
-from specrun.decoding.drafters import MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified
+from specrun.decoding.drafters import MERGE_PRIORITY, Drafter, NGramDrafter, RecyclingDrafter, Verified
 from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult
+from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.paged_attention import check_paged_backend
 from specrun.decoding.paged_kv import SeqPages
 from specrun.decoding.paged_runner import PagedRunner
+from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.self_draft import BatchedSelfDrafter, FusedDrafter, draft_batch
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
@@ -49,18 +52,22 @@ class _Active:
     pages: SeqPages
     drafters: list[Drafter]
     stats: GenStats
+    heads: BatchedSelfDrafter | None = None  # its self-drafter, which the batch's draft forward feeds
     trie: Trie | None = None  # this step's
     done: str | None = None  # finish reason once finished (or "stopped" by the caller)
 
 
 class BatchEngine:
-    def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig()):
-        names = config.active_drafters(have_heads=False)
-        if any(n in NEEDS_HEADS for n in names):
-            raise ValueError("self-drafting heads do not run batched yet: use --concurrency 1 with --heads")
-        self.lm, self.config, self.batch = lm, config, batch
+    def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
+                 heads: DraftHeads | None = None):
+        if heads is None and config.heads_path:
+            heads = load_heads(config.heads_path, lm)
+        names = config.active_drafters(heads is not None)
+        self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
+        # the self-drafters' partial caches rank slots by the last committed token's queries: verify keeps them
+        self._capture = "heads" in names and config.kv_mode != "full"
         self.vocab_size = self.runner.lm_head.weight.shape[0]
         # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
@@ -83,15 +90,23 @@ class BatchEngine:
         known = st.known
         for d in drafters:
             d.start(known)
-        a = _Active(key, st, pages, drafters, GenStats(tuple(self.names)))
+        a = _Active(key, st, pages, drafters, GenStats(tuple(self.names)),
+                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None))
         if not st.finished():
             with a.stats.time("prefill"):
-                self.runner.prefill(pages, st.seq[: st.n - 1], self.config.prefill_chunk)
+                self.runner.prefill(pages, st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
+            if a.heads is not None and st.n > 1:
+                a.heads.see_queries(self.runner.queries, -1)  # the prompt's last token
         self.active.append(a)
         return True
 
     def _drafter(self, name: str) -> Drafter:
-        return NGramDrafter(self.config.ngram_topk) if name == "ngram" else RecyclingDrafter(self.recycling)
+        c = self.config
+        if name == "heads":
+            return BatchedSelfDrafter(self.heads, c.tree, PartialKV(c.kv_mode, c.kv_budget, c.kv_sinks))
+        if name == "fused":
+            return FusedDrafter(self.heads, self.runner.lm_head, c.tree)
+        return NGramDrafter(c.ngram_topk) if name == "ngram" else RecyclingDrafter(self.recycling)
 
     # -- the recipe, over the batch ---------------------------------------------------------------------------------
     def step(self, on_step: Callable[[object, list[int]], bool] | None = None) -> list[tuple[object, GenerationResult]]:
@@ -103,6 +118,9 @@ class BatchEngine:
             tuner = self._tuner(len(live))
             budget = tuner.choose() if tuner else self.config.trie_budget
             t = time.perf_counter()
+            drafting = [a for a in live if a.heads is not None] if budget > 1 else []
+            if drafting:  # one self-draft forward for all: each root over its own partial cache
+                draft_batch(self.runner, self.heads, [(a.pages, a.heads, a.st.root, a.st.n - 1) for a in drafting])
             for a in live:
                 a.trie = build_trie(a.st.root, self._draft(a, budget), budget, self.lm.device)
             t_draft = time.perf_counter() - t
@@ -112,6 +130,8 @@ class BatchEngine:
             accepted, offset = [], 0
             for a in live:
                 rows = slice(offset, offset + a.trie.size)
+                if a.heads is not None and self._capture:
+                    a.heads.see_queries(self.runner.queries, offset)
                 offset += a.trie.size
                 accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
             seconds = time.perf_counter() - t_step
@@ -127,6 +147,8 @@ class BatchEngine:
                     finished.append(a)
         out = []
         for a in finished:
+            if a.heads is not None:
+                a.stats.kv_rebuilds = a.heads.kv.rebuilds
             a.pages.release()
             self.active.remove(a)
             out.append((a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())))
@@ -157,7 +179,8 @@ class BatchEngine:
     def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""
         hidden = self.runner.forward([a.pages for a in live], [a.trie.tokens for a in live],
-                                     [a.trie.depths + (a.st.n - 1) for a in live], [a.trie.ancestors for a in live])
+                                     [a.trie.depths + (a.st.n - 1) for a in live], [a.trie.ancestors for a in live],
+                                     capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
 
     def _accept(self, a: _Active, hidden: torch.Tensor, logits: torch.Tensor, budget: int):

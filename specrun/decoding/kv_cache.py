@@ -16,6 +16,10 @@ class KVCache:
         self.length = 0  # committed slots
 
     @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
     def capacity(self) -> int:
         return self.k.shape[2]
 

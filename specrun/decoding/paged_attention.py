@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.paged_kv import PagePool
+from specrun.decoding.paged_kv import PagePool, gather_slots, gather_tokens
 from specrun.decoding.plan import BatchPlan
 
 PAGED_BACKENDS = ("sdpa", "paged", "flashinfer")
@@ -20,14 +20,6 @@ PAGED_BACKENDS = ("sdpa", "paged", "flashinfer")
 def check_paged_backend(name: str) -> None:
     if name not in PAGED_BACKENDS:
         raise ValueError(f"unknown batched attention backend {name!r}; choose from {', '.join(PAGED_BACKENDS)}")
-
-
-def _gather(store: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
-    """A sequence's first n tokens of one layer, contiguous per head. # store: [Pg, Hkv, P, D] -> [Hkv, n, D]"""
-    if pages.shape[0] == 1:  # one page per sequence (P >= its need, as on CPU): a view, nothing copied
-        return store[int(pages[0]), :, :n]
-    x = store[pages.long()]  # [pages, Hkv, P, D]
-    return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n]
 
 
 def sdpa_masks(plan: BatchPlan, G: int, device) -> list[torch.Tensor | None]:
@@ -57,10 +49,33 @@ def attend_sdpa(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling, mas
     for i in range(plan.batch_size):
         a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
         T, S = b - a, plan.kv_len(i)
-        keys, values = _gather(k_store, plan.pages(i), S), _gather(v_store, plan.pages(i), S)
+        keys, values = gather_tokens(k_store, plan.pages(i), S), gather_tokens(v_store, plan.pages(i), S)
         qg = q[a:b].transpose(0, 1).reshape(1, Hkv, G * T, D)
         o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=masks[i], scale=scaling)
         out[a:b] = o.reshape(Hq, T, D).transpose(0, 1)
+    return out
+
+
+def attend_selected(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling, selects: list, layer: int):
+    """A self-draft forward: one new token per sequence against its partial cache (the slots its select lists per KV
+    head, then itself), or against every key where its select is None; as the solo path attends (attention.py).
+
+    # q: [N, Hq, D], selects[i]: [Lyr, Hkv, B] token indices or None -> [N, Hq, D]
+    """
+    N, Hq, D = q.shape
+    Hkv = k_store.shape[1]
+    out = torch.empty_like(q)
+    for i in range(plan.batch_size):
+        S, pages = plan.kv_len(i), plan.pages(i)
+        if selects[i] is None:
+            keys, values = gather_tokens(k_store, pages, S), gather_tokens(v_store, pages, S)
+        else:
+            sel = selects[i][layer]  # [Hkv, B]
+            idx = torch.empty((Hkv, sel.shape[1] + 1), dtype=torch.long, device=sel.device)
+            idx[:, :-1], idx[:, -1] = sel, S - 1
+            keys, values = gather_slots(k_store, pages, idx), gather_slots(v_store, pages, idx)
+        qg = q[i : i + 1].transpose(0, 1).reshape(1, Hkv, Hq // Hkv, D)
+        out[i] = F.scaled_dot_product_attention(qg, keys[None], values[None], scale=scaling).reshape(Hq, D)
     return out
 
 
@@ -77,8 +92,8 @@ def attend_paged(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling) ->
     for i in range(plan.batch_size):
         a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
         S = plan.kv_len(i)
-        keys = _gather(k_store, plan.pages(i), S).repeat_interleave(G, dim=0).to(acc)  # [Hq, S, D]
-        values = _gather(v_store, plan.pages(i), S).repeat_interleave(G, dim=0).to(acc)
+        keys = gather_tokens(k_store, plan.pages(i), S).repeat_interleave(G, dim=0).to(acc)  # [Hq, S, D]
+        values = gather_tokens(v_store, plan.pages(i), S).repeat_interleave(G, dim=0).to(acc)
         s = torch.matmul(q[a:b].transpose(0, 1).to(acc), keys.transpose(1, 2)) * scale  # [Hq, T, S]
         mask = plan.mask(i)
         if mask is not None:
@@ -124,6 +139,8 @@ class BatchContext:
     plan: BatchPlan
     backend: str = "sdpa"
     flashinfer: FlashInferAttention | None = None
+    selects: list | None = None  # a self-draft forward: per sequence its partial cache [Lyr, Hkv, B] or None
+    queries: list | None = None  # when a list, each layer appends its q [N, Hq, D] (for KV importance)
     _masks: list | None = None  # sdpa: per-sequence masks, built at the first layer and kept for the others
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
@@ -133,7 +150,11 @@ class BatchContext:
         k_store[pages, :, offsets] = k[0].transpose(0, 1)  # [N, Hkv, D]
         v_store[pages, :, offsets] = v[0].transpose(0, 1)
         qn = q[0].transpose(0, 1)  # [N, Hq, D]
-        if self.backend == "flashinfer":
+        if self.queries is not None:
+            self.queries.append(qn)
+        if self.selects is not None:  # every backend: drafts only propose, and flashinfer has no per-head slot lists
+            out = attend_selected(self.plan, k_store, v_store, qn, scaling, self.selects, layer)
+        elif self.backend == "flashinfer":
             out = self.flashinfer.run(k_store, v_store, qn.contiguous())
         elif self.backend == "paged":
             out = attend_paged(self.plan, k_store, v_store, qn, scaling)

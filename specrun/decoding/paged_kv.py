@@ -9,6 +9,24 @@ from __future__ import annotations
 import torch
 
 
+def gather_tokens(store: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
+    """A sequence's first n tokens of one layer, contiguous per head. # store: [Pg, Hkv, P, D] -> [Hkv, n, D]"""
+    if pages.shape[0] == 1:  # one page per sequence (P >= its need, as on CPU): a view, nothing copied
+        return store[int(pages[0]), :, :n]
+    x = store[pages.long()]  # [pages, Hkv, P, D]
+    return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n]
+
+
+def gather_slots(store: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per KV head its own token indices of a sequence, wherever their pages are (no copy of the whole sequence).
+
+    # store: [Pg, Hkv, P, D], table: [pages] page ids, idx: [Hkv, B] token indices -> [Hkv, B, D]
+    """
+    P = store.shape[2]
+    heads = torch.arange(idx.shape[0], device=idx.device)[:, None]
+    return store[table.to(idx.device).long()[idx // P], heads, idx % P]
+
+
 class PagePool:
     def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int, dtype, device):
         if n_pages < 1 or page_size < 1:
@@ -112,6 +130,15 @@ class SeqPages:
         self.pool._give_back(freed, keep_promised=True)
         self.promised += len(freed)
         self.n_pages = keep
+
+    @property
+    def n_layers(self) -> int:
+        return self.pool.k.shape[0]
+
+    def keys_values(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its first n tokens' K and V at one layer, as KVCache.keys_values gives them. # -> [Hkv, n, D] each"""
+        table = self.table(n)
+        return gather_tokens(self.pool.k[layer], table, n), gather_tokens(self.pool.v[layer], table, n)
 
     def release(self) -> None:
         """The sequence is done: every page and every promise goes back to the pool."""

@@ -36,20 +36,29 @@ class PagedRunner:
         self.pool = PagePool(len(dec.layers), -(-kv_tokens // page_size), page_size, dec.n_kv, dec.head_dim,
                              lm.dtype, lm.device)
         self._flashinfer = FlashInferAttention(lm.device) if backend == "flashinfer" else None
+        self.queries: list[torch.Tensor] = []  # per layer q [N, Hq, D] of the last forward that captured them
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPages], tokens: list[torch.Tensor], positions: list[torch.Tensor],
-                tree_masks: list[torch.Tensor]) -> torch.Tensor:
+                tree_masks: list[torch.Tensor], selects: list | None = None,
+                capture_queries: bool = False) -> torch.Tensor:
         """New tokens of each sequence after its committed ones (their K/V land in its pages; commit keeps some).
 
+        With `selects` (one token per sequence) each sees only its partial cache's slots and itself, or all where its
+        entry is None. With capture_queries, self.queries holds each layer's q [sum T_i, Hq, D] afterwards.
         # tokens[i], positions[i]: [T_i] long, tree_masks[i]: [T_i, T_i] bool -> hidden: [sum T_i, H]
         """
-        plan = build_plan(seqs, tree_masks, pack_mask=self.backend != "sdpa")
-        if self._flashinfer is not None:
+        drafting = selects is not None
+        plan = build_plan(seqs, tree_masks, pack_mask=self.backend != "sdpa" and not drafting)
+        if self._flashinfer is not None and not drafting:
             dec = self.decoder
             self._flashinfer.plan(plan, dec.n_q, dec.n_kv, dec.head_dim, self.lm.dtype, dec.layers[0].scaling)
-        ctx = BatchContext(self.pool, plan, self.backend, self._flashinfer)
-        return self.decoder(torch.cat(tokens), torch.cat(positions), ctx)
+        queries = [] if capture_queries else None
+        ctx = BatchContext(self.pool, plan, self.backend, self._flashinfer, selects=selects, queries=queries)
+        hidden = self.decoder(torch.cat(tokens), torch.cat(positions), ctx)
+        if capture_queries:
+            self.queries = queries
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """# hidden: [N, H] -> [N, V] in float32 (float64 stays float64)"""
@@ -57,12 +66,14 @@ class PagedRunner:
             x = self.lm_head(hidden)
         return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
-    def prefill(self, sp: SeqPages, tokens: torch.Tensor, chunk: int) -> None:
-        """Commit K/V for tokens at positions [length, length+P) in causal chunks. # tokens: [P] long"""
+    def prefill(self, sp: SeqPages, tokens: torch.Tensor, chunk: int, capture_queries: bool = False) -> None:
+        """Commit K/V for tokens at positions [length, length+P) in causal chunks (queries kept for the last).
+
+        # tokens: [P] long"""
         for s in range(0, tokens.shape[0], chunk):
             part = tokens[s : s + chunk]
             T = part.shape[0]
             pos = torch.arange(sp.length, sp.length + T, device=tokens.device)
             causal = torch.ones((T, T), dtype=torch.bool, device=tokens.device).tril_()
-            self.forward([sp], [part], [pos], [causal])
+            self.forward([sp], [part], [pos], [causal], capture_queries=capture_queries)
             sp.append(T)

@@ -11,6 +11,7 @@ import torch
 from typing import Callable
 
 from specrun.decoding.kv_cache import KVCache
+from specrun.decoding.paged_kv import SeqPages
 
 KV_MODES = ("full", "partial", "dynamic")
 
@@ -57,7 +58,7 @@ class PartialKV:
     def active(self, cache_len: int) -> bool:
         return self.mode != "full" and cache_len > self.budget
 
-    def refresh(self, cache: KVCache, q_last: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    def refresh(self, cache: KVCache | SeqPages, q_last: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """Bring the selection up to the committed cache; None means attend to everything.
 
         q_last() -> [Lyr, Hq, D] queries of the last committed token (asked for only on a rebuild)
@@ -86,10 +87,10 @@ class PartialKV:
             new -= m
         return self.slots
 
-    def _rebuild(self, cache: KVCache, q_last: Callable[[], torch.Tensor]) -> None:
+    def _rebuild(self, cache: KVCache | SeqPages, q_last: Callable[[], torch.Tensor]) -> None:
         L = cache.length
         q = q_last()
-        keys = [cache.keys_values(i, L)[0].transpose(0, 1) for i in range(cache.k.shape[0])]  # [L, Hkv, D] views
+        keys = [cache.keys_values(i, L)[0].transpose(0, 1) for i in range(cache.n_layers)]  # [L, Hkv, D] views
         layers = [select_top(importance(q[i], k), self.budget, self.sinks) for i, k in enumerate(keys)]
         self.slots = torch.stack(layers)
         self.known, self.tail = L, self.budget - 1

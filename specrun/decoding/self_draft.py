@@ -12,6 +12,7 @@ import torch
 from specrun.decoding.drafters import Verified
 from specrun.decoding.heads import DraftHeads
 from specrun.decoding.partial_kv import PartialKV
+from specrun.decoding.paged_runner import PagedRunner
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.trie import Draft, DraftContext
 
@@ -49,32 +50,48 @@ def _check_depth(tree: tuple[int, ...], heads: DraftHeads) -> None:
         raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
 
 
-class SelfDrafter:
-    """Drafts with the target model itself; keeps the partial cache in step with the committed cache."""
+class _HeadsDraft:
+    """What solo and batched self-drafting share: the tree template over l_0..l_gamma, the partial cache, and the
+    query rows of the last committed token (for the cache's importance) from the last forward that captured them."""
 
     name = "heads"
 
-    def __init__(self, runner: ModelRunner, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
+    def __init__(self, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
         _check_depth(tree, heads)
-        self.runner, self.heads, self.kv = runner, heads, kv
+        self.heads, self.kv = heads, kv
         self.template = TreeTemplate(tree)
-        self._logits: torch.Tensor | None = None  # [gamma+1, V]: l_0 and the heads' logits of the last draft
-        self._one = torch.ones((1, 1), dtype=torch.bool, device=runner.lm.device)
-        self._q_node = -1  # which token of runner.queries is the last committed one
-
-    def observe(self, v: Verified) -> None:
-        self._q_node = v.last  # the last committed token's query row in the verify forward's captured queries
-
-    def commit(self, tokens: list[int]) -> None:
-        pass
-
-    def start(self, seq: list[int]) -> None:
-        self.kv.reset()
-        self._q_node = -1  # prefill's last token
+        self._queries: list[torch.Tensor] = []  # per layer q [rows, Hq, D] (batched) or [Hq, T, D] (solo)
+        self._row = -1  # the last committed token's row in them
 
     @property
     def needs_queries(self) -> bool:
         return self.kv.mode != "full"
+
+    def start(self, seq: list[int]) -> None:
+        self.kv.reset()
+        self._row = -1  # prefill's last token
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def _draft(self, ctx: DraftContext, source: int, logits: torch.Tensor) -> list[Draft]:
+        """# logits: [gamma+1, V] l_0 (the root's next token) and the heads' l_1..l_gamma"""
+        tokens = self.template.fill(ctx.root, logits)
+        ctx.guess = tokens[1]
+        return [Draft(tokens, self.template.parents, source)]
+
+
+class SelfDrafter(_HeadsDraft):
+    """Drafts with the target model itself, one 1-row forward per step over the partial cache (solo engine)."""
+
+    def __init__(self, runner: ModelRunner, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
+        super().__init__(heads, tree, kv)
+        self.runner = runner
+        self._logits: torch.Tensor | None = None  # [gamma+1, V]: l_0 and the heads' logits of the last draft
+        self._one = torch.ones((1, 1), dtype=torch.bool, device=runner.lm.device)
+
+    def observe(self, v: Verified) -> None:
+        self._row = v.last  # the last committed token's query row in the verify forward's captured queries
 
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
         cache = self.runner.cache
@@ -89,13 +106,55 @@ class SelfDrafter:
         with torch.inference_mode():
             self._logits[0] = self.runner.logits(h0)[0]
             self._logits[1:] = self.heads.logits(h0, self.runner.lm_head)[:, 0]
-        tokens = self.template.fill(ctx.root, self._logits)
-        ctx.guess = tokens[1]
-        return [Draft(tokens, self.template.parents, source)]
+        return self._draft(ctx, source, self._logits)
 
     def _last_query(self) -> torch.Tensor:
         """# -> [Lyr, Hq, D] query of the last committed token, per layer"""
-        return torch.stack([q[:, self._q_node] for q in self.runner.queries])
+        return torch.stack([q[:, self._row] for q in self.runner.queries])
+
+
+class BatchedSelfDrafter(_HeadsDraft):
+    """One sequence's self-drafter in the batched engine: its partial cache indexes its own pages; draft_batch runs
+    one draft forward for every sequence and hands each its logits."""
+
+    def __init__(self, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
+        super().__init__(heads, tree, kv)
+        self.logits: torch.Tensor | None = None  # [gamma+1, V] of this step, from draft_batch
+        self._offset = 0  # its first row in the verify forward's packed rows
+
+    def see_queries(self, queries: list[torch.Tensor], offset: int) -> None:
+        """The forward that just ran (a verify, or prefill with offset -1 for its last row) captured these."""
+        self._queries, self._offset = queries, offset
+
+    def observe(self, v: Verified) -> None:
+        self._row = self._offset + v.last
+
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        if self.logits is None:
+            return []
+        logits, self.logits = self.logits, None
+        return self._draft(ctx, source, logits)
+
+    def last_query(self) -> torch.Tensor:
+        """# -> [Lyr, Hq, D] query of the last committed token, per layer"""
+        return torch.stack([q[self._row] for q in self._queries])
+
+
+def draft_batch(runner: PagedRunner, heads: DraftHeads, entries: list) -> None:
+    """One draft forward for every self-drafting sequence: its root at its position, over its partial cache; sets
+    each drafter's logits (l_0, l_1..l_gamma). entries: (SeqPages, BatchedSelfDrafter, root, position) per sequence."""
+    dev = runner.lm.device
+    one = torch.ones((1, 1), dtype=torch.bool, device=dev)
+    selects = [d.kv.refresh(pages, d.last_query) for pages, d, _, _ in entries]
+    # each root's K/V land in its first free slot, which the verify forward overwrites: scratch, never committed
+    h0 = runner.forward([e[0] for e in entries], [torch.tensor([e[2]], device=dev) for e in entries],
+                        [torch.tensor([e[3]], device=dev) for e in entries], [one] * len(entries), selects=selects)
+    with torch.inference_mode():
+        logits = torch.empty((heads.gamma + 1, h0.shape[0], runner.lm_head.weight.shape[0]), device=dev)
+        logits[0] = runner.logits(h0)
+        logits[1:] = heads.logits(h0, runner.lm_head)
+    for i, (_, d, _, _) in enumerate(entries):
+        d.logits = logits[:, i]
 
 
 class FusedDrafter:

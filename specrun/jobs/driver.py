@@ -138,7 +138,7 @@ class _Driver(_Slots):
             if short:
                 raise JobError(f"cannot start the generation workers: {short}. Nothing was run; "
                                f"`specrun resume {self.job.root}` continues the job")
-            spec = worker_spec(self.job, self.manifest, self.settings, self.prompts.values())
+            spec = worker_spec(self.job, self.manifest, self.settings, self.prompts.values(), n, len(queue))
             if not cuda:  # split this machine's cores between the local CPU actors
                 spec = dataclasses.replace(spec, threads=max(1, (os.cpu_count() or 1) // n))
             self.spec = spec

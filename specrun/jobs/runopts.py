@@ -31,14 +31,14 @@ class RunOptions:
     engine: EngineConfig | None = None  # its attention backend must be the job's (jobdir.OUTPUT_KEYS)
     checkpoint_every: int | None = None
     checkpoint_seconds: float | None = None
-    concurrency: int = 1  # sequences per worker at once (batched engine when > 1)
+    concurrency: int | str = "auto"  # sequences per worker at once (batched engine when > 1); auto: from memory
 
     def __post_init__(self):
         if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device={self.device!r} must be cpu or cuda")
         check_checkpoint(self.checkpoint_every, self.checkpoint_seconds)
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency={self.concurrency} must be >= 1")
+        if self.concurrency != "auto" and not (isinstance(self.concurrency, int) and self.concurrency >= 1):
+            raise ValueError(f"concurrency={self.concurrency!r} must be an integer >= 1 or 'auto'")
 
 
 def check_checkpoint(every: int | None, seconds: float | None) -> None:

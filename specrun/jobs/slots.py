@@ -69,7 +69,10 @@ class _Slots:
                     if ray.wait([st.load], timeout=0)[0]:
                         info = ray.get(st.load, timeout=0)
                         del self.starting[slot]
-                        self.idle.extend([slot] * self.spec.concurrency)  # one seat per sequence it runs at once
+                        seats = info.get("concurrency", 1)
+                        self.idle.extend([slot] * seats)  # one seat per sequence it runs at once
+                        if seats > 1 and self.spec.auto_concurrency:
+                            self.display.log(f"{who}: {seats} prompts at once (--concurrency auto)")
                         if info.get("hot_start"):
                             self.display.log(f"{who}: recycling matrix warm from {info['hot_start']}")
                     elif now - st.placed_at > self.opts.load_timeout_s:

@@ -85,11 +85,10 @@ def test_proxy_model_script_smoke(tmp_path, capsys):
     assert [r["name"] for r in report["runs"]] == ["specrun_ar", "heads_partial"] and report["identical"] is True
 
 
-def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
-    from specrun.bench.report import annotate_divergences, summarize
-    from specrun.bench.runner import Measurement
+def _ar_and_a_real_divergence(load_fixture):
+    """-> lm, prompt, params, AR's 10 tokens, and those tokens with the 5th replaced by AR's runner-up there"""
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.neartie import ar_scores, check_divergence
+    from specrun.decoding.neartie import ar_scores
     from specrun.decoding.sampling import SamplingParams
 
     lm = load_fixture("llama_gqa")
@@ -97,7 +96,15 @@ def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
     runner_up = int(ar_scores(lm, prompt, ref[:4], params).topk(2).indices[1])
-    other = [*ref[:4], runner_up, *ref[5:]]
+    return lm, prompt, params, ref, [*ref[:4], runner_up, *ref[5:]]
+
+
+def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
+    from specrun.bench.report import annotate_divergences, summarize
+    from specrun.bench.runner import Measurement
+    from specrun.decoding.neartie import check_divergence
+
+    lm, prompt, params, ref, other = _ar_and_a_real_divergence(load_fixture)
     ms = [Measurement("specrun_ar", 0, ref, 1.0, stats={"mean_accepted": 1.0}),
           Measurement("specrun_spec", 0, other, 0.5, stats={"mean_accepted": 2.0})]
     report = summarize(ms, {"specrun_ar": "specrun", "specrun_spec": "specrun"})
@@ -107,13 +114,26 @@ def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
     assert spec["near_tie"] is False and report["lossless"] is False  # float64: a real gap is no tie
 
 
+def test_concurrency_rows_report_each_divergence_from_ar_with_its_gap(load_fixture):
+    from specrun.bench.concurrency import _check_against_ar
+
+    lm, prompt, params, ref, other = _ar_and_a_real_divergence(load_fixture)
+    rows = [{"name": "specrun_spec", "concurrency": 4}, {"name": "specrun_ar", "concurrency": 1},
+            {"name": "specrun_ar", "concurrency": 4}]
+    _check_against_ar(lm, [prompt], params, rows, [{0: other}, {0: ref}, {0: ref}], 1)
+    (d,) = rows[0]["divergences"]
+    assert d["prompt"] == 0 and d["first_diff"] == 4 and d["other_token"] == other[4] and d["gap"] > 0
+    assert rows[0]["identical_to_ar"] is False and rows[0]["lossless"] is False  # a real gap in float32 is no tie
+    assert all(r["identical_to_ar"] and r["lossless"] and r["divergences"] == [] for r in rows[1:])
+
+
 def test_bench_concurrency_json(tiny_models):
     report = _bench(tiny_models["llama_gqa"], "--concurrency", "1,3", "--batch-attention", "paged")
     rows = {(r["name"], r["concurrency"]) for r in report["runs"]}
     assert rows == {(n, c) for n in ("specrun_ar", "specrun_spec") for c in (1, 3)}
     for r in report["runs"]:
         assert r["tokens"] == 12 * r["concurrency"] and r["tokens_per_s"] > 0
-        assert r["identical_to_solo"] is True
+        assert r["identical_to_ar"] is True and r["divergences"] == [] and r["lossless"] is True
     assert {t["name"] for t in report["table"] if t["vs_ar"] == 1.0} == {"specrun_ar"}
 
 

@@ -173,3 +173,33 @@ def test_flashinfer_equals_paged_on_random_ragged_tries():
     got = fi.run(pool.k[0], pool.v[0], q)
     ref = attend_paged(plan, pool.k[0], pool.v[0], q, D**-0.5)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["full", "dynamic"])
+@pytest.mark.parametrize("page_size", [1, 512])
+def test_batched_heads_draft_as_the_solo_engine_does(load_fixture, mode, page_size):
+    """Self-drafting (one draft forward for the batch, each sequence over its own partial cache) and fused heads:
+    every sequence's tokens, and the drafts its heads made (tokens taken from them, steps, cache rebuilds), are
+    those of its solo run."""
+    from tests.decoding.test_self_draft import PROMPT, heads_for
+
+    lm = load_fixture("qwen2", dtype="float32")
+    heads = heads_for(lm, trained=False)  # zero heads: every l_i is l_0, right often enough on this text
+    tok = lm.tokenizer
+    requests = [("greedy", tok.encode(PROMPT), SamplingParams(max_tokens=70, ignore_eos=True)),
+                ("sampled", tok.encode(REPETITIVE), SamplingParams(max_tokens=60, temperature=0.9, seed=4,
+                                                                   penalty=1.2, penalty_window=16, ignore_eos=True)),
+                ("short", tok.encode("the cat sat"), SamplingParams(max_tokens=30, ignore_eos=True))]
+    for drafters in (("heads", "ngram"), ("fused", "ngram")):
+        # a budget below the prompt lengths puts the partial caches to work from the first step
+        cfg = EngineConfig(drafters=drafters, kv_mode=mode, kv_budget=24, kv_sinks=4, adaptive_budget=False)
+        refs = {key: Engine(lm, cfg, heads=heads).generate(p, params) for key, p, params in requests}
+        engine = BatchEngine(lm, cfg, BatchConfig(concurrency=3, kv_tokens=3 * 512, page_size=page_size), heads=heads)
+        got = engine.run(requests)
+        for key, _, _ in requests:
+            assert got[key].token_ids == refs[key].token_ids, (drafters, key)
+            for stat in ("steps", "tokens_by_drafter", "kv_rebuilds"):
+                assert got[key].stats[stat] == refs[key].stats[stat], (drafters, key, stat)
+        assert got["greedy"].stats["tokens_by_drafter"][drafters[0]] > 0  # the heads' drafts were used
+        if mode == "dynamic" and drafters[0] == "heads":
+            assert got["greedy"].stats["kv_rebuilds"] > 1

@@ -1,0 +1,66 @@
+"""How many sequences a worker runs at once: the KV memory its device can give, over what one sequence needs.
+
+A sequence is admitted only with its whole KV reserved (decoding/paged_kv.py), so N is fixed once, at load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+AUTO_MAX = {"cpu": 8, "cuda": 16}  # --concurrency auto never goes past: per-step Python work grows with N
+CUDA_RESERVE = 0.10  # of the GPU's total memory, kept for activations, logits and the allocator's slack
+CPU_SHARE = 0.5  # of the memory available now, split between the CPU workers (the rest: the OS, the driver, Ray)
+GiB = 2**30
+
+
+def kv_budget_bytes(device: str, workers: int, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes this worker may give its KV pool, measured after the model is loaded.
+
+    CUDA: free memory minus a reserve (one worker per GPU). CPU: half of what is available (the container's limit
+    where lower), split between `workers` (the run's CPU workers, counted as if they all shared this machine).
+    """
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return max(0, int(free - CUDA_RESERVE * total))
+    return int(CPU_SHARE * _cpu_available(cgroup) / max(1, workers))
+
+
+def _cpu_available(cgroup: Path) -> int:
+    available = _meminfo_available()
+    try:  # cgroup v2: a container's limit is not in /proc/meminfo
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, available)
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no /proc (macOS): free pages
+
+
+def fit_concurrency(cap: int, need_tokens: int, bytes_per_token: int, budget: int) -> int:
+    """Most sequences (1..cap) whose whole KV (need_tokens each) fits in budget bytes; at least 1 (a sequence that
+    does not fit alone fails at admission, naming its need)."""
+    per_sequence = need_tokens * bytes_per_token
+    return max(1, min(cap, budget // max(1, per_sequence)))
+
+
+def check_concurrency(n: int, need_tokens: int, bytes_per_token: int, budget: int) -> None:
+    """A --concurrency N that cannot hold N sequences' KV fails at load, with both sizes, instead of mid-run."""
+    want = n * need_tokens * bytes_per_token
+    if want > budget:
+        raise ValueError(f"--concurrency {n} needs {want / GiB:.2f} GiB of KV ({n} x {need_tokens} tokens, the job's "
+                         f"longest prompt + max_tokens) but this worker can give {budget / GiB:.2f} GiB: lower "
+                         f"--concurrency or max_tokens, or leave --concurrency auto")
