@@ -29,13 +29,13 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     """Every (config, level) `repeat` times, interleaved; level c runs prompts[:c] at once (EOS ignored, no stops)."""
     params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
     need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
+    page = need if lm.device.type == "cpu" and backend == "sdpa" else 16  # as the job driver pages
     jobs = [(name, c) for c in levels for name in configs]
     outputs: list[dict[int, list[int]]] = []  # per row: each prompt's tokens
     out = []
     for r in range(repeat):
         k = r % len(jobs)
         for name, c in jobs[k:] + jobs[:k]:
-            page = need if lm.device.type == "cpu" and backend == "sdpa" else 16  # as the job driver pages
             engine = BatchEngine(lm, configs[name], BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page,
                                                                 backend=backend))
             t0 = time.perf_counter()
@@ -50,22 +50,33 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
             out.append(row)
             log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
                 f"{row['mean_accepted']:.2f} accepted/step")
-    _check_against_ar(lm, prompts, params, out, outputs, min(levels))
+    def alone(i: int) -> list[int]:  # AR of prompt i with nothing beside it
+        engine = BatchEngine(lm, dataclasses.replace(configs[next(iter(configs))], drafters=()),
+                             BatchConfig(concurrency=1, kv_tokens=need, page_size=page, backend=backend))
+        log(f"AR reference for prompt {i}")
+        return engine.run([(i, prompts[i], params, [])])[i].token_ids
+
+    _check_against_ar(lm, prompts, params, out, outputs, alone)
     return out
 
 
-def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict], low: int) -> None:
-    """Adds identical_to_ar and divergences (first_diff, gap, near_tie per differing prompt) to every row; the
-    reference is the first AR run at the lowest concurrency (one sequence alone when it is 1)."""
-    ref_row = next((k for k, r in enumerate(rows) if r["name"] == REFERENCE and r["concurrency"] == low), None)
-    if ref_row is None:
-        return
-    reference, checked = outputs[ref_row], {}
+def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict],
+                      alone: Callable[[int], list[int]]) -> None:
+    """Adds identical_to_ar and divergences (first_diff, gap, near_tie per differing prompt) to every row. A prompt's
+    reference is its AR run alone: the first AR run at concurrency 1 where there is one, else alone(i)."""
+    reference: dict[int, list[int]] = {}
+    for row, tokens in zip(rows, outputs):
+        if row["name"] == REFERENCE and row["concurrency"] == 1:
+            for i, toks in tokens.items():
+                reference.setdefault(i, toks)
+    checked: dict = {}
     for row, tokens in zip(rows, outputs):
         row["divergences"] = []
         for i, toks in tokens.items():
-            ref = reference.get(i)
-            if ref is None or toks == ref:
+            if i not in reference:
+                reference[i] = alone(i)
+            ref = reference[i]
+            if toks == ref:
                 continue
             key = (i, tuple(toks[: len(ref)]))
             if key not in checked:  # each distinct divergence replays AR once

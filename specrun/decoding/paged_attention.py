@@ -22,37 +22,52 @@ def check_paged_backend(name: str) -> None:
         raise ValueError(f"unknown batched attention backend {name!r}; choose from {', '.join(PAGED_BACKENDS)}")
 
 
-def sdpa_masks(plan: BatchPlan, G: int, device) -> list[torch.Tensor | None]:
-    """Per sequence the solo path's mask (prefix visible, tree mask on the new tokens, repeated for G query heads per
-    KV head), built once per forward; None for one new token (it sees every key). # -> [1, 1, G*T_i, S_i] bool"""
-    masks = []
+@dataclass(frozen=True)
+class _Span:
+    """One sequence of a packed forward as the sdpa backend reads it, worked out once per forward (not per layer)."""
+
+    a: int  # its query rows [a, b)
+    b: int
+    S: int  # keys it sees (committed + new)
+    pages: torch.Tensor  # its page ids
+    page: int | None  # the one page holding all of them (CPU jobs), read in place
+    mask: torch.Tensor | None  # [1, 1, G*T, S] bool, None for one new token (it sees every key)
+
+
+def sdpa_spans(plan: BatchPlan, G: int, device) -> list[_Span]:
+    """Per sequence its rows, keys and the solo path's mask (prefix visible, tree mask on the new tokens, repeated for
+    G query heads per KV head)."""
+    spans = []
     for i in range(plan.batch_size):
-        T, S = plan.qo_len(i), plan.kv_len(i)
-        if T == 1:
-            masks.append(None)
-            continue
-        mask = torch.ones((T, S), dtype=torch.bool, device=device)
-        mask[:, S - T :] = plan.tree_masks[i].to(device)
-        masks.append((mask.repeat(G, 1) if G > 1 else mask)[None, None])
-    return masks
+        a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
+        T, S, pages = b - a, plan.kv_len(i), plan.pages(i)
+        mask = None
+        if T > 1:
+            mask = torch.ones((T, S), dtype=torch.bool, device=device)
+            mask[:, S - T :] = plan.tree_masks[i].to(device)
+            mask = (mask.repeat(G, 1) if G > 1 else mask)[None, None]
+        spans.append(_Span(a, b, S, pages, int(pages[0]) if pages.shape[0] == 1 else None, mask))
+    return spans
 
 
-def attend_sdpa(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling, masks) -> torch.Tensor:
+def attend_sdpa(spans: list[_Span], k_store, v_store, q: torch.Tensor, scaling) -> torch.Tensor:
     """Per sequence, exactly the solo path (decoding/attention.py): GQA folded into the query axis, the prefix visible.
 
-    # q: [Ntok, Hq, D], masks: sdpa_masks(plan, Hq // Hkv) -> [Ntok, Hq, D]
+    # q: [Ntok, Hq, D], spans: sdpa_spans(plan, Hq // Hkv) -> [Ntok, Hq, D]
     """
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_store.shape[1]
     G = Hq // Hkv
     out = torch.empty_like(q)
-    for i in range(plan.batch_size):
-        a, b = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-        T, S = b - a, plan.kv_len(i)
-        keys, values = gather_tokens(k_store, plan.pages(i), S), gather_tokens(v_store, plan.pages(i), S)
-        qg = q[a:b].transpose(0, 1).reshape(1, Hkv, G * T, D)
-        o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=masks[i], scale=scaling)
-        out[a:b] = o.reshape(Hq, T, D).transpose(0, 1)
+    for sp in spans:
+        if sp.page is not None:
+            keys, values = k_store[sp.page, :, : sp.S], v_store[sp.page, :, : sp.S]
+        else:
+            keys, values = gather_tokens(k_store, sp.pages, sp.S), gather_tokens(v_store, sp.pages, sp.S)
+        T = sp.b - sp.a
+        qg = q[sp.a : sp.b].transpose(0, 1).reshape(1, Hkv, G * T, D)
+        o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=sp.mask, scale=scaling)
+        out[sp.a : sp.b] = o.reshape(Hq, T, D).transpose(0, 1)
     return out
 
 
@@ -141,7 +156,7 @@ class BatchContext:
     flashinfer: FlashInferAttention | None = None
     selects: list | None = None  # a self-draft forward: per sequence its partial cache [Lyr, Hkv, B] or None
     queries: list | None = None  # when a list, each layer appends its q [N, Hq, D] (for KV importance)
-    _masks: list | None = None  # sdpa: per-sequence masks, built at the first layer and kept for the others
+    _spans: list | None = None  # sdpa: per-sequence rows, keys and masks, worked out at the first layer
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
         """Write the new tokens' K/V into their pages, then attend. # q: [1, Hq, N, D], k/v: [1, Hkv, N, D] -> [1, N, Hq, D]"""
@@ -159,7 +174,7 @@ class BatchContext:
         elif self.backend == "paged":
             out = attend_paged(self.plan, k_store, v_store, qn, scaling)
         else:
-            if self._masks is None:
-                self._masks = sdpa_masks(self.plan, q.shape[1] // k.shape[1], q.device)
-            out = attend_sdpa(self.plan, k_store, v_store, qn, scaling, self._masks)
+            if self._spans is None:
+                self._spans = sdpa_spans(self.plan, q.shape[1] // k.shape[1], q.device)
+            out = attend_sdpa(self._spans, k_store, v_store, qn, scaling)
         return out[None]

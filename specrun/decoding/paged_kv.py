@@ -109,7 +109,8 @@ class SeqPages:
             rejected = torch.ones(fresh.shape[0], dtype=torch.bool)
             rejected[offsets] = False
             self._table[start + a : self.n_pages] = fresh[rejected]
-        else:  # move at most depth rows into place (the right side is gathered before the write: overlap is safe)
+        elif int(offsets[-1]) != a - 1:  # not already in place (ascending from 0, so last == a-1 means 0..a-1)
+            # move at most depth rows into place (the right side is gathered before the write: overlap is safe)
             src_pages, src_off = self.slots(start, start + int(offsets[-1]) + 1)
             dst_pages, dst_off = self.slots(start, start + a)
             src_pages, src_off = src_pages[offsets], src_off[offsets]

@@ -120,11 +120,15 @@ def test_concurrency_rows_report_each_divergence_from_ar_with_its_gap(load_fixtu
     lm, prompt, params, ref, other = _ar_and_a_real_divergence(load_fixture)
     rows = [{"name": "specrun_spec", "concurrency": 4}, {"name": "specrun_ar", "concurrency": 1},
             {"name": "specrun_ar", "concurrency": 4}]
-    _check_against_ar(lm, [prompt], params, rows, [{0: other}, {0: ref}, {0: ref}], 1)
+    asked = []
+    _check_against_ar(lm, [prompt, prompt], params, rows, [{0: other, 1: ref}, {0: ref}, {0: ref, 1: other}],
+                      alone=lambda i: asked.append(i) or ref)
+    assert asked == [1]  # prompt 1 never ran alone: its reference is made once
     (d,) = rows[0]["divergences"]
     assert d["prompt"] == 0 and d["first_diff"] == 4 and d["other_token"] == other[4] and d["gap"] > 0
     assert rows[0]["identical_to_ar"] is False and rows[0]["lossless"] is False  # a real gap in float32 is no tie
-    assert all(r["identical_to_ar"] and r["lossless"] and r["divergences"] == [] for r in rows[1:])
+    assert rows[1]["identical_to_ar"] and rows[1]["lossless"] and rows[1]["divergences"] == []
+    assert [d["prompt"] for d in rows[2]["divergences"]] == [1] and rows[2]["lossless"] is False
 
 
 def test_bench_concurrency_json(tiny_models):

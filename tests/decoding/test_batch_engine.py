@@ -6,7 +6,7 @@ import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.paged_attention import attend_paged, attend_sdpa, sdpa_masks
+from specrun.decoding.paged_attention import attend_paged, attend_sdpa, sdpa_spans
 from specrun.decoding.paged_kv import PagePool
 from specrun.decoding.plan import build_plan, packbits, unpackbits
 from specrun.decoding.sampling import SamplingParams
@@ -47,7 +47,7 @@ def test_paged_equals_sdpa_on_random_ragged_tries(page_size):
     assert plan.kv_last_page_len.min() >= 1 and plan.kv_last_page_len.max() <= page_size
     assert plan.mask_indptr.tolist()[-1] == plan.mask_packed.shape[0]
     q = torch.randn(int(plan.qo_indptr[-1]), Hq, D, generator=gen, dtype=torch.float64)
-    ref = attend_sdpa(plan, pool.k[0], pool.v[0], q, None, sdpa_masks(plan, Hq // Hkv, q.device))
+    ref = attend_sdpa(sdpa_spans(plan, Hq // Hkv, q.device), pool.k[0], pool.v[0], q, None)
     got = attend_paged(plan, pool.k[0], pool.v[0], q, None)
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
 
