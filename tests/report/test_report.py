@@ -55,7 +55,8 @@ def job(tiny_models, tmp_path_factory):
     init_ray(None, num_cpus=max(2, os.cpu_count() or 1))
     try:
         threading.Thread(target=interrupt_after_a_chunk, daemon=True).start()
-        assert run_job(job, RunOptions(actors=1, quiet=True)).exit_code == EXIT_INTERRUPTED
+        # one prompt at a time, so that the second is still waiting when the first checkpoints
+        assert run_job(job, RunOptions(actors=1, quiet=True, concurrency=1)).exit_code == EXIT_INTERRUPTED
         interrupted = gather(job)
         files = write_report(job, ReportConfig(d / "interrupted.html", png=False))
         assert [f.name for f in files] == ["interrupted.html"]
