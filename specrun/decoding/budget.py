@@ -14,6 +14,7 @@ EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins: exploring
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
+WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
 
 
 def candidate_widths(max_budget: int) -> list[int]:
@@ -48,7 +49,10 @@ class BudgetTuner:
             if c is None:  # nothing measured yet: time the narrowest width first
                 return w
             rates.append((self.accepted[w] / c, i))
-        best = max(rates, key=lambda r: (r[0], -r[1]))[1]  # ties: the narrower width
+        best_rate, best = rates[0]
+        for rate, i in rates[1:]:
+            if rate > best_rate * (1 + WIDER_MARGIN):
+                best_rate, best = rate, i
         every = EXPLORE_EVERY_AR if best == 0 else EXPLORE_EVERY
         if self.step % every == 0:  # one step wider: cheap to try, and it measures the next width up
             best = min(best + 1, len(self.widths) - 1)

@@ -11,7 +11,7 @@ import torch
 
 from specrun.decoding.penalty import PenaltyWindow
 from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams, gumbel_noise, process_logits
+from specrun.decoding.sampling import SamplingParams, apply_penalty, gumbel_noise, truncate
 
 # How far a row-count change moves logits: smollm2 on CPU, the same positions computed in 1-row (AR) forwards and in
 # 2-64-row causal forwards, 160 generated tokens: max |dlogit| bf16 1.0 (13 argmax flips),
@@ -48,9 +48,18 @@ def ar_scores(lm, prompt_ids: list[int], generated: list[int], params: SamplingP
               prefill_chunk: int = 256) -> torch.Tensor:
     """AR's scores for the token after prompt + generated: what AR takes the argmax of there.
 
+    # -> [V] float64 (processed logits, plus Gumbel noise at position len(prompt)+len(generated) when sampling)
+    """
+    untruncated, noise = _ar_row(lm, prompt_ids, generated, params, prefill_chunk)
+    return _scores(untruncated, noise, params)
+
+
+def _ar_row(lm, prompt_ids, generated, params, prefill_chunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AR's logits there after penalty and temperature (before truncation), and the noise when sampling.
+
     Replays AR's own forwards (chunked prefill of the prompt, then one row per generated token) so that in reduced
     precision the scores are AR's bit for bit; costs one forward per generated token.
-    # -> [V] float64 (processed logits, plus Gumbel noise at position len(prompt)+len(generated) when sampling)
+    # -> [V] float64, [V] float64 or None
     """
     context = [*prompt_ids, *generated]
     n, dev = len(context), lm.device
@@ -68,10 +77,37 @@ def ar_scores(lm, prompt_ids: list[int], generated: list[int], params: SamplingP
         window = PenaltyWindow(logits.shape[-1], params.penalty_window, dev)
         window.reset(seq, n)
         present = (window.counts > 0)[None]
-    scores = process_logits(logits, present, params).to(torch.float64)[0]
-    if not params.greedy:
-        scores = scores + gumbel_noise(params.seed, torch.tensor([n], device=dev), scores.shape[-1])[0]
-    return scores
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # as process_logits computes
+    if present is not None:
+        x = apply_penalty(x, present, params.penalty)
+    if params.greedy:
+        return x[0], None
+    return (x / params.temperature)[0], gumbel_noise(params.seed, torch.tensor([n], device=dev), x.shape[-1])[0]
+
+
+def _scores(untruncated: torch.Tensor, noise: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """# untruncated: [V] (AR's dtype), noise: [V] or None -> [V] float64: truncation, then the noise"""
+    if noise is None:
+        return untruncated.to(torch.float64)
+    return truncate(untruncated[None], params)[0].to(torch.float64) + noise.to(torch.float64)
+
+
+def _truncation_gap(untruncated, noise, params, ref: int, other: int, tol: float) -> float:
+    """`other` was cut by truncation in AR: how far its logit is from being kept (the least raise that keeps it, found
+    by bisection up to tol) plus how far it then is below AR's token. inf when no raise up to tol keeps it."""
+    def with_raise(d: float) -> torch.Tensor:
+        x = untruncated.clone()
+        x[other] += d
+        return _scores(x, noise, params)
+
+    if with_raise(tol)[other] == float("-inf"):
+        return float("inf")
+    lo, hi = 0.0, tol
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if with_raise(mid)[other] > float("-inf") else (mid, hi)
+    scores = with_raise(hi)
+    return hi + max(0.0, float(scores[ref] - scores[other]))
 
 
 def check_divergence(lm, prompt_ids: list[int], params: SamplingParams, reference: list[int], other: list[int],
@@ -84,6 +120,9 @@ def check_divergence(lm, prompt_ids: list[int], params: SamplingParams, referenc
     if i >= len(other) or i >= len(reference):  # one stopped early: not a tie between two tokens
         return Divergence(i, reference[i] if i < len(reference) else -1, other[i] if i < len(other) else -1,
                           float("inf"), tol, False)
-    scores = ar_scores(lm, prompt_ids, reference[:i], params, prefill_chunk)
+    untruncated, noise = _ar_row(lm, prompt_ids, reference[:i], params, prefill_chunk)
+    scores = _scores(untruncated, noise, params)
     gap = float(scores[reference[i]] - scores[other[i]])
+    if scores[other[i]] == float("-inf"):  # reduced precision moved it across the truncation boundary (min-p, ...)?
+        gap = _truncation_gap(untruncated, noise, params, reference[i], other[i], tol)
     return Divergence(i, reference[i], other[i], gap, tol, abs(gap) <= tol)

@@ -1,6 +1,7 @@
 """Adaptive trie width: what each width would have accepted, the width it picks, and that output never changes."""
 
-from specrun.decoding.budget import COST_WINDOW, EXPLORE_EVERY, EXPLORE_EVERY_AR, BudgetTuner, candidate_widths
+from specrun.decoding.budget import (COST_WINDOW, EXPLORE_EVERY, EXPLORE_EVERY_AR, WIDER_MARGIN, BudgetTuner,
+                                     candidate_widths)
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.sampling import SamplingParams
 
@@ -30,6 +31,20 @@ def test_choice_trades_acceptance_against_cost_and_explores():
     _timed(t, cost)
     picks = [t.choose() for _ in range(2 * EXPLORE_EVERY)]
     assert picks.count(4) == len(picks) - 2 and picks.count(8) == 2  # 3 tokens for 1.1 beats 4 for 4.0
+
+
+def test_a_wider_width_must_beat_the_narrower_by_the_margin():
+    """Sampled text: width 2's drafts are accepted now and then; a gain below the margin keeps plain AR steps."""
+    for cost_2, wanted in ((1.0, 1), (0.9, 2)):
+        t = BudgetTuner(2)
+        t.observe(1, [], 1.0)
+        t.observe(2, [], cost_2)
+        for k in range(1000):  # width 2's second node accepted 2% of the time
+            t.observe(2, [1] if k % 50 == 0 else [], cost_2)
+        gain = (t.accepted[2] / t.cost[2]) / (t.accepted[1] / t.cost[1])
+        assert (1.0 < gain < 1 + WIDER_MARGIN) if wanted == 1 else gain > 1 + WIDER_MARGIN  # what the case is about
+        picks = [t.choose() for _ in range(EXPLORE_EVERY_AR - 1)]
+        assert set(picks) == {wanted}, (cost_2, t.accepted, t.cost)
 
 
 def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss():

@@ -40,3 +40,29 @@ def test_divergence_reports_the_gap_between_the_two_tokens(load_fixture, monkeyp
     assert check_divergence(lm, prompt, params, ref, other).near_tie  # within tolerance: reported as a near tie
     short = check_divergence(lm, prompt, params, ref, ref[:5])
     assert short.first_diff == 5 and not short.near_tie  # stopping early is never a tie
+
+
+def test_a_token_cut_by_truncation_is_a_near_tie_only_within_tolerance_of_the_cut(load_fixture, monkeypatch):
+    """Reduced precision can move a token across min-p's cut: its gap is the raise that keeps it plus how far it then
+    is below AR's token; a token far below the cut stays infinitely far."""
+    lm = load_fixture("llama_mha")
+    prompt = lm.tokenizer.encode("abc abc")
+    params = SamplingParams(max_tokens=20, temperature=1.0, min_p=0.8, seed=3, ignore_eos=True)  # flat tiny model
+    ref = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    i = 6
+    untruncated, noise = neartie._ar_row(lm, prompt, ref[:i], params, 256)
+    cut = neartie._scores(untruncated, noise, params) == float("-inf")
+    assert cut.any() and not cut.all()
+    just_cut = int(torch.where(cut, untruncated.double(), float("-inf")).argmax())  # the best token min-p drops
+    far = int(untruncated.argmin())
+    other = [*ref[:i], just_cut, *ref[i + 1 :]]
+    monkeypatch.setitem(neartie.LOGIT_TOLERANCE, torch.float64, 1e-12)
+    assert check_divergence(lm, prompt, params, ref, other).gap == float("inf")  # no raise within 1e-12 keeps it
+    monkeypatch.setitem(neartie.LOGIT_TOLERANCE, torch.float64, 50.0)
+    d = check_divergence(lm, prompt, params, ref, other)
+    raise_needed = float(untruncated.max() + torch.log(torch.tensor(params.min_p)) - untruncated[just_cut])
+    assert raise_needed > 0 and raise_needed <= d.gap < float("inf") and d.near_tie
+    monkeypatch.setitem(neartie.LOGIT_TOLERANCE, torch.float64, raise_needed / 2)
+    assert not check_divergence(lm, prompt, params, ref, other).near_tie
+    far_d = check_divergence(lm, prompt, params, ref, [*ref[:i], far, *ref[i + 1 :]])
+    assert far_d.gap == float("inf") and not far_d.near_tie
