@@ -134,10 +134,9 @@ class BatchEngine:
                     a.heads.see_queries(self.runner.queries, offset)
                 offset += a.trie.size
                 accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
-            seconds = time.perf_counter() - t_step
-            for a, (nodes, emitted) in zip(live, accepted):
-                if tuner:  # the whole batched step's cost against the width every sequence used
-                    tuner.observe(budget, nodes, seconds)
+            if tuner:  # the whole batched step's cost against the width every sequence used, one observation
+                tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
+            for a, (_, emitted) in zip(live, accepted):
                 a.stats.phase["draft"] += t_draft  # every sequence waited for the whole batch's drafting and forward
                 a.stats.phase["forward"] += t_forward
                 a.done = a.st.finished()

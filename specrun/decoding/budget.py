@@ -60,8 +60,13 @@ class BudgetTuner:
 
     def observe(self, used: int, path_nodes: list[int], seconds: float) -> None:
         """path_nodes: trie indices of the accepted path beyond the root (ascending); seconds: the whole step."""
+        self.observe_batch(used, [path_nodes], seconds)
+
+    def observe_batch(self, used: int, paths: list[list[int]], seconds: float) -> None:
+        """One step of several sequences (each its own trie of width `used`): their mean acceptance is one
+        observation, so a batch moves the estimate as much as one sequence's step does."""
         for w in self.widths:  # a width wider than `used` would have accepted at least this path: a lower bound
-            acc = 1 + sum(1 for i in path_nodes if i < min(w, used))
+            acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
             self._acc_n[w] += 1
             self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])
         if used in self._times:

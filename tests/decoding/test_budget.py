@@ -1,6 +1,8 @@
 """Adaptive trie width: what each width would have accepted, the width it picks, and that output never changes."""
 
-from specrun.decoding.budget import (COST_WINDOW, EXPLORE_EVERY, EXPLORE_EVERY_AR, WIDER_MARGIN, BudgetTuner,
+import pytest
+
+from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, WIDER_MARGIN, BudgetTuner,
                                      candidate_widths)
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.sampling import SamplingParams
@@ -45,6 +47,19 @@ def test_a_wider_width_must_beat_the_narrower_by_the_margin():
         assert (1.0 < gain < 1 + WIDER_MARGIN) if wanted == 1 else gain > 1 + WIDER_MARGIN  # what the case is about
         picks = [t.choose() for _ in range(EXPLORE_EVERY_AR - 1)]
         assert set(picks) == {wanted}, (cost_2, t.accepted, t.cost)
+
+
+def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
+    """8 sequences, one of which accepted a draft: the batch's 1.125 tokens per sequence moves the estimate once, as
+    one sequence's step would (8 separate observations would weigh that one hit 8 times over)."""
+    batched, solo = BudgetTuner(2), BudgetTuner(2)
+    for _ in range(100):
+        batched.observe_batch(2, [[]] * 8, 1.0)
+        solo.observe(2, [], 1.0)
+    batched.observe_batch(2, [[1]] + [[]] * 7, 1.0)
+    solo.observe(2, [], 1.0)
+    assert batched.accepted[2] - solo.accepted[2] == pytest.approx(EMA * 0.125)
+    assert batched.accepted[1] == solo.accepted[1] == 1.0
 
 
 def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss():
