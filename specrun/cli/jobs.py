@@ -32,7 +32,9 @@ class Concurrency(click.ParamType):
     name = "N|auto"
 
     def convert(self, value, param, ctx):
-        if value == "auto" or (isinstance(value, int) and value >= 1):
+        if isinstance(value, str) and value.lower() == "auto":
+            return "auto"
+        if isinstance(value, int) and value >= 1:
             return value
         try:
             n = int(value)

@@ -197,6 +197,9 @@ def test_second_driver_and_changed_model_or_params_are_refused(model, tiny_model
     r = CliRunner().invoke(main, ["submit", str(prompts_file), "--model", tiny_models["llama_gqa"],
                                   "--job-dir", str(job_dir), *FLAGS])
     assert r.exit_code != 0 and "model.fingerprint" in r.output
+    from specrun.cli.jobs import Concurrency
+
+    assert [Concurrency().convert(v, None, None) for v in ("auto", "AUTO", "3", 2)] == ["auto", "auto", 3, 2]
     for bad in ("0", "many", "2.5"):
         r = CliRunner().invoke(main, ["resume", str(job_dir), "--concurrency", bad])
         assert r.exit_code == 2 and f"'{bad}' is not an integer >= 1 or 'auto'" in r.output, r.output
