@@ -30,16 +30,19 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
     need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
     page = need if lm.device.type == "cpu" and backend == "sdpa" else 16  # as the job driver pages
+
+    def engine(config: EngineConfig, c: int) -> BatchEngine:
+        return BatchEngine(lm, config, BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page, backend=backend))
+
     jobs = [(name, c) for c in levels for name in configs]
     outputs: list[dict[int, list[int]]] = []  # per row: each prompt's tokens
     out = []
     for r in range(repeat):
         k = r % len(jobs)
         for name, c in jobs[k:] + jobs[:k]:
-            engine = BatchEngine(lm, configs[name], BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page,
-                                                                backend=backend))
+            batch = engine(configs[name], c)
             t0 = time.perf_counter()
-            results = engine.run([(i, prompts[i], params, []) for i in range(c)])
+            results = batch.run([(i, prompts[i], params, []) for i in range(c)])
             seconds = time.perf_counter() - t0
             tokens = sum(len(res.token_ids) for res in results.values())
             row = {"name": name, "concurrency": c, "repeat": r, "tokens": tokens, "seconds": seconds,
@@ -50,11 +53,11 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
             out.append(row)
             log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
                 f"{row['mean_accepted']:.2f} accepted/step")
+
     def alone(i: int) -> list[int]:  # AR of prompt i with nothing beside it
-        engine = BatchEngine(lm, dataclasses.replace(configs[next(iter(configs))], drafters=()),
-                             BatchConfig(concurrency=1, kv_tokens=need, page_size=page, backend=backend))
         log(f"AR reference for prompt {i}")
-        return engine.run([(i, prompts[i], params, [])])[i].token_ids
+        ar = dataclasses.replace(next(iter(configs.values())), drafters=())
+        return engine(ar, 1).run([(i, prompts[i], params, [])])[i].token_ids
 
     _check_against_ar(lm, prompts, params, out, outputs, alone)
     return out

@@ -14,8 +14,8 @@ import click
 
 from specrun.cli.detach import check_detach, run_detached
 from specrun.cli.location import JobLocation
-from specrun.cli.options import (ENGINE_FLAGS, engine_config_from, engine_options, model_options, sampling_options,
-                                 sampling_params_from)
+from specrun.cli.options import (ENGINE_FLAGS, Concurrency, engine_config_from, engine_options, model_options,
+                                 sampling_options, sampling_params_from)
 from specrun.storage.fs import location
 
 
@@ -24,25 +24,6 @@ def _finite(ctx, param, value):
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number")
     return value
-
-
-class Concurrency(click.ParamType):
-    """--concurrency: an integer >= 1, or auto."""
-
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.lower() == "auto":
-            return "auto"
-        if isinstance(value, int) and value >= 1:
-            return value
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            n = 0
-        if n < 1:
-            self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
-        return n
 
 
 run_options = [

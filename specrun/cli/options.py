@@ -123,3 +123,22 @@ def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> 
                                             if n in ENGINE_FLAGS})
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="drafting options") from e
+
+
+class Concurrency(click.ParamType):
+    """--concurrency: an integer >= 1, or auto."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.lower() == "auto":
+            return "auto"
+        if isinstance(value, int) and value >= 1:
+            return value
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
+        return n

@@ -13,16 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.budget import BudgetTuner
-from specrun.decoding.drafters import MERGE_PRIORITY, Drafter, NGramDrafter, RecyclingDrafter, Verified
-from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult
+from specrun.decoding.drafters import MERGE_PRIORITY, Drafter, Verified
+from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.paged_attention import check_paged_backend
 from specrun.decoding.paged_kv import SeqPages
 from specrun.decoding.paged_runner import PagedRunner
-from specrun.decoding.partial_kv import PartialKV
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.self_draft import BatchedSelfDrafter, FusedDrafter, draft_batch
+from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
@@ -60,8 +59,7 @@ class _Active:
 class BatchEngine:
     def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
                  heads: DraftHeads | None = None):
-        if heads is None and config.heads_path:
-            heads = load_heads(config.heads_path, lm)
+        heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
         names = config.active_drafters(heads is not None)
         self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
@@ -86,7 +84,8 @@ class BatchEngine:
         pages = self.runner.pool.admit(st.capacity)
         if pages is None:
             return False
-        drafters = [self._drafter(n) for n in self.names]
+        drafters = [make_drafter(n, self.config, self.heads, self.runner.lm_head, self.recycling,
+                                 lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv)) for n in self.names]
         known = st.known
         for d in drafters:
             d.start(known)
@@ -99,14 +98,6 @@ class BatchEngine:
                 a.heads.see_queries(self.runner.queries, -1)  # the prompt's last token
         self.active.append(a)
         return True
-
-    def _drafter(self, name: str) -> Drafter:
-        c = self.config
-        if name == "heads":
-            return BatchedSelfDrafter(self.heads, c.tree, PartialKV(c.kv_mode, c.kv_budget, c.kv_sinks))
-        if name == "fused":
-            return FusedDrafter(self.heads, self.runner.lm_head, c.tree)
-        return NGramDrafter(c.ngram_topk) if name == "ngram" else RecyclingDrafter(self.recycling)
 
     # -- the recipe, over the batch ---------------------------------------------------------------------------------
     def step(self, on_step: Callable[[object, list[int]], bool] | None = None) -> list[tuple[object, GenerationResult]]:

@@ -70,6 +70,16 @@ class EngineConfig:
         return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed drafting order
 
 
+def make_drafter(name: str, config: EngineConfig, heads: DraftHeads | None, lm_head, recycling: RecyclingMatrix | None,
+                 self_drafter: Callable[[PartialKV], Drafter]) -> Drafter:
+    """One drafter of config's; self_drafter(partial cache) builds the engine's own kind of self-drafter."""
+    if name == "heads":
+        return self_drafter(PartialKV(config.kv_mode, config.kv_budget, config.kv_sinks))
+    if name == "fused":
+        return FusedDrafter(heads, lm_head, config.tree)
+    return NGramDrafter(config.ngram_topk) if name == "ngram" else RecyclingDrafter(recycling)
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # every generated token, resumed ones included
@@ -81,25 +91,15 @@ class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), heads: DraftHeads | None = None):
         self.lm = lm
         self.config = config
-        if heads is None and config.heads_path:
-            heads = load_heads(config.heads_path, lm)
+        heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
         names = config.active_drafters(heads is not None)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
-        self.self_draft: SelfDrafter | None = None
-        self.drafters: list[Drafter] = []
-        for name in names:
-            if name == "heads":
-                kv = PartialKV(config.kv_mode, config.kv_budget, config.kv_sinks)
-                self.self_draft = SelfDrafter(self.runner, heads, config.tree, kv)
-                self.drafters.append(self.self_draft)
-            elif name == "fused":
-                self.drafters.append(FusedDrafter(heads, self.runner.lm_head, config.tree))
-            elif name == "ngram":
-                self.drafters.append(NGramDrafter(config.ngram_topk))
-            else:
-                self.drafters.append(RecyclingDrafter(self.recycling))
+        self.drafters: list[Drafter] = [
+            make_drafter(n, config, heads, self.runner.lm_head, self.recycling,
+                         lambda kv: SelfDrafter(self.runner, heads, config.tree, kv)) for n in names]
+        self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)

@@ -29,8 +29,7 @@ class _Span:
     a: int  # its query rows [a, b)
     b: int
     S: int  # keys it sees (committed + new)
-    pages: torch.Tensor  # its page ids
-    page: int | None  # the one page holding all of them (CPU jobs), read in place
+    pages: torch.Tensor | int  # its page ids, or the id of the one page holding all of them (CPU jobs)
     mask: torch.Tensor | None  # [1, 1, G*T, S] bool, None for one new token (it sees every key)
 
 
@@ -46,7 +45,7 @@ def sdpa_spans(plan: BatchPlan, G: int, device) -> list[_Span]:
             mask = torch.ones((T, S), dtype=torch.bool, device=device)
             mask[:, S - T :] = plan.tree_masks[i].to(device)
             mask = (mask.repeat(G, 1) if G > 1 else mask)[None, None]
-        spans.append(_Span(a, b, S, pages, int(pages[0]) if pages.shape[0] == 1 else None, mask))
+        spans.append(_Span(a, b, S, int(pages[0]) if pages.shape[0] == 1 else pages, mask))
     return spans
 
 
@@ -60,10 +59,7 @@ def attend_sdpa(spans: list[_Span], k_store, v_store, q: torch.Tensor, scaling) 
     G = Hq // Hkv
     out = torch.empty_like(q)
     for sp in spans:
-        if sp.page is not None:
-            keys, values = k_store[sp.page, :, : sp.S], v_store[sp.page, :, : sp.S]
-        else:
-            keys, values = gather_tokens(k_store, sp.pages, sp.S), gather_tokens(v_store, sp.pages, sp.S)
+        keys, values = gather_tokens(k_store, sp.pages, sp.S), gather_tokens(v_store, sp.pages, sp.S)
         T = sp.b - sp.a
         qg = q[sp.a : sp.b].transpose(0, 1).reshape(1, Hkv, G * T, D)
         o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=sp.mask, scale=scaling)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 
 
-def gather_tokens(store: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
-    """A sequence's first n tokens of one layer, contiguous per head. # store: [Pg, Hkv, P, D] -> [Hkv, n, D]"""
-    if pages.shape[0] == 1:  # one page per sequence (P >= its need, as on CPU): a view, nothing copied
-        return store[int(pages[0]), :, :n]
+def gather_tokens(store: torch.Tensor, pages: torch.Tensor | int, n: int) -> torch.Tensor:
+    """A sequence's first n tokens of one layer, contiguous per head; pages: its page ids, or its one page's id.
+
+    # store: [Pg, Hkv, P, D] -> [Hkv, n, D]"""
+    if isinstance(pages, int) or pages.shape[0] == 1:  # one page per sequence (as on CPU): a view, nothing copied
+        return store[int(pages if isinstance(pages, int) else pages[0]), :, :n]
     x = store[pages.long()]  # [pages, Hkv, P, D]
     return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n]
 

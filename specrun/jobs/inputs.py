@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.stops import check_stop_token_ids, check_stops
+from specrun.jobs.openai_in import from_openai
 
 MAX_REPORTED = 20
 MAX_LINE_BYTES = 64 << 20  # a longer line is reported, never loaded (a binary file without newlines stays cheap)
@@ -28,16 +29,6 @@ OVERRIDES = {"max_tokens": int, "seed": int, "temperature": float, "top_k": int,
              "penalty": float, "penalty_window": int}
 STOP_OVERRIDES = ("stop", "stop_token_ids")  # a line's own list replaces the job's (--stop, --stop-token-id)
 SOURCES = ("prompt", "messages", "input_ids")
-OPENAI_LINE = ("custom_id", "method", "url", "body")
-OPENAI_URLS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}  # url -> the body's source field
-# Body fields we implement (theirs -> our override). Every other body field is refused by name: to lift a refusal,
-# implement the field and map it here (and in OVERRIDES or STOP_OVERRIDES). stop_token_ids is vLLM's extension.
-OPENAI_BODY = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "seed": "seed",
-               "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-               "repetition_penalty": "penalty", "stop": "stop", "stop_token_ids": "stop_token_ids"}
-OPENAI_NO_EFFECT = ("model", "user")  # accepted, change nothing: the job's --model generates every line
-OPENAI_NEUTRAL = {"n": 1, "best_of": 1, "stream": False, "echo": False, "logprobs": False, "frequency_penalty": 0,
-                  "presence_penalty": 0}  # accepted only at the value that changes nothing
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text spells a UTF-16 surrogate
 _BLANK = object()  # _parse's answer for a blank line (JSON null is a value, and a bad line)
 _short = reprlib.Repr()
@@ -118,49 +109,6 @@ def _check_text(s: str, where: str) -> None:
         raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
 
 
-def _from_openai(obj: dict) -> dict:
-    """OpenAI/vLLM batch line -> plain line (raises ValueError naming the problem)."""
-    unknown = sorted(set(obj) - set(OPENAI_LINE))
-    if unknown:
-        raise ValueError(f"unknown field {unknown[0]!r} in an OpenAI batch line (allowed: {', '.join(OPENAI_LINE)})")
-    cid, method, url, body = (obj.get(k) for k in OPENAI_LINE)
-    if not isinstance(cid, str) or not cid:
-        raise ValueError("OpenAI batch line needs a non-empty string 'custom_id'")
-    if method != "POST":
-        raise ValueError(f"OpenAI batch line needs \"method\": \"POST\" (got {_short.repr(method)})")
-    if not url:
-        raise ValueError(f"OpenAI batch line needs a 'url' ({' or '.join(OPENAI_URLS)})")
-    if not isinstance(url, str) or url not in OPENAI_URLS:
-        raise ValueError(f"url {_short.repr(url)} is not supported (use {' or '.join(OPENAI_URLS)})")
-    if not isinstance(body, dict):
-        raise ValueError("OpenAI batch line needs an object 'body'")
-    body = {k: v for k, v in body.items() if v is not None}  # null means "not set" in the OpenAI API
-    source = OPENAI_URLS[url]
-    for k, v in body.items():
-        if k in OPENAI_NEUTRAL:
-            neutral = OPENAI_NEUTRAL[k]
-            if isinstance(v, bool) != isinstance(neutral, bool) or v != neutral:
-                raise ValueError(f"body field {k!r} is only supported as {json.dumps(neutral)} "
-                                 f"(got {_short.repr(v)})")
-        elif k != source and k not in OPENAI_BODY and k not in OPENAI_NO_EFFECT:
-            raise ValueError(f"body field {k!r} is not supported"
-                             + (f" by {url}" if k in OPENAI_URLS.values() else ""))
-    if source not in body:
-        raise ValueError(f"body needs {source!r} for {url}")
-    value = body[source]
-    if source == "prompt" and isinstance(value, list) and all(_type_ok(t, int) for t in value):
-        out = {"id": cid, "input_ids": value}
-    else:
-        out = {"id": cid, source: value}
-    for theirs, ours in OPENAI_BODY.items():
-        if theirs in body:
-            if ours in out:
-                both = " and ".join(repr(t) for t, o in OPENAI_BODY.items() if o == ours and t in body)
-                raise ValueError(f"body has both {both}: give one")
-            out[ours] = body[theirs]
-    return out
-
-
 class _Validator:
     def __init__(self, tokenizer, max_context: int, vocab_size: int, base: SamplingParams):
         self.tok, self.max_context, self.vocab_size, self.base = tokenizer, max_context, vocab_size, base
@@ -169,7 +117,7 @@ class _Validator:
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         if "custom_id" in obj or "body" in obj:
-            obj = _from_openai(obj)
+            obj = from_openai(obj)
         unknown = sorted(set(obj) - {"id", *SOURCES, *OVERRIDES, *STOP_OVERRIDES})
         if unknown:
             allowed = ", ".join(("id", *SOURCES, *OVERRIDES, *STOP_OVERRIDES))

@@ -197,7 +197,7 @@ def test_second_driver_and_changed_model_or_params_are_refused(model, tiny_model
     r = CliRunner().invoke(main, ["submit", str(prompts_file), "--model", tiny_models["llama_gqa"],
                                   "--job-dir", str(job_dir), *FLAGS])
     assert r.exit_code != 0 and "model.fingerprint" in r.output
-    from specrun.cli.jobs import Concurrency
+    from specrun.cli.options import Concurrency
 
     assert [Concurrency().convert(v, None, None) for v in ("auto", "AUTO", "3", 2)] == ["auto", "auto", 3, 2]
     for bad in ("0", "many", "2.5"):
