@@ -13,6 +13,7 @@ from collections.abc import Callable
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.neartie import check_divergence
+from specrun.decoding.paged_attention import resolve_backend
 from specrun.decoding.sampling import SamplingParams
 
 REFERENCE = "specrun_ar"  # the run kind whose lowest-concurrency tokens every other run is checked against
@@ -24,12 +25,13 @@ def prompt_variants(text: str, n: int) -> list[str]:
 
 
 def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels: tuple[int, ...],
-                    configs: dict[str, EngineConfig], repeat: int = 1, backend: str = "sdpa",
+                    configs: dict[str, EngineConfig], repeat: int = 1, backend: str = "auto",
                     log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Every (config, level) `repeat` times, interleaved; level c runs prompts[:c] at once (EOS ignored, no stops)."""
     params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
     need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
-    page = need if lm.device.type == "cpu" and backend == "sdpa" else 16  # as the job driver pages
+    backend = resolve_backend(backend, lm.dtype, lm.device)
+    page = need if lm.device.type == "cpu" and backend in ("sdpa", "dense") else 16  # as the job driver pages
 
     def engine(config: EngineConfig, c: int) -> BatchEngine:
         return BatchEngine(lm, config, BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page, backend=backend))

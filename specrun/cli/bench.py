@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from specrun.cli.generate import chat_option
+from specrun.decoding.paged_attention import PAGED_BACKENDS
 from specrun.cli.options import engine_config_from, engine_options, model_options, sampling_options, sampling_params_from
 
 
@@ -42,8 +43,8 @@ def int_list(value: str | None, hint: str) -> tuple[int, ...]:
 @click.option("--concurrency", "levels", help="Comma list of sequences in flight, e.g. 1,4,8: aggregate tok/s of "
               "specrun_ar and specrun_spec on one batched worker at each level (N different prompts), instead of the "
               "default table.")
-@click.option("--batch-attention", type=click.Choice(["sdpa", "paged", "flashinfer"]), default="sdpa",
-              show_default=True, help="With --concurrency: attention over the paged KV pool.")
+@click.option("--batch-attention", type=click.Choice(["auto", *PAGED_BACKENDS]), default="auto", show_default=True,
+              help="With --concurrency: attention over the paged KV pool (auto: dense on CPU in bf16/fp16, else sdpa).")
 @chat_option
 @model_options
 @sampling_options

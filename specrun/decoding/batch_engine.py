@@ -32,7 +32,7 @@ class BatchConfig:
     concurrency: int = 4  # most sequences in one step
     kv_tokens: int = 65536  # KV slots in the worker's pool (the memory budget); admission never over-commits it
     page_size: int = 1  # P = 1: committing accepted nodes is a page-table edit
-    backend: str = "sdpa"  # paged_attention.PAGED_BACKENDS
+    backend: str = "auto"  # paged_attention.PAGED_BACKENDS, or auto (resolve_backend: by dtype and device)
 
     def __post_init__(self):
         for name, value in (("concurrency", self.concurrency), ("kv_tokens", self.kv_tokens),
@@ -125,6 +125,8 @@ class BatchEngine:
                     a.heads.see_queries(self.runner.queries, offset)
                 offset += a.trie.size
                 accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
+            if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
+                self.recycling.learn(torch.cat([a.trie.tokens for a in live]), logits)
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
                 tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
             for a, (_, emitted) in zip(live, accepted):
@@ -189,7 +191,8 @@ class BatchEngine:
         with a.stats.time("update"):
             verified = Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1])
             for d in a.drafters:
-                d.observe(verified)
+                if d.name != "recycling":  # the matrix is the worker's: step() teaches it once for the whole batch
+                    d.observe(verified)
                 d.commit(emitted)
         a.stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1],
                             trie.sources[path[1 : len(emitted)]].tolist(), len(st.out) - len(emitted),

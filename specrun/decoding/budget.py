@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
+EXPLORE_EVERY = 16  # every n-th step leaves the best width: one wider, then width 1, in turn, so both stay timed
 EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins: exploring then costs more than it finds
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
@@ -33,6 +33,7 @@ class BudgetTuner:
         self.accepted = {w: min(float(w), PRIOR_ACCEPTED) for w in self.widths}
         self._acc_n = dict.fromkeys(self.widths, 1)  # the prior counts as one observation
         self.step = 0
+        self._explored = 0
 
     def estimated_cost(self, w: int) -> float | None:
         """Measured cost, or (optimistically) that of the widest measured width below w; None if nothing is known."""
@@ -48,14 +49,17 @@ class BudgetTuner:
             c = self.estimated_cost(w)
             if c is None:  # nothing measured yet: time the narrowest width first
                 return w
+            if len(self._times[w]) == 1:  # timed once: that first step paid one-off set-up (new shapes), time it again
+                return w
             rates.append((self.accepted[w] / c, i))
         best_rate, best = rates[0]
         for rate, i in rates[1:]:
             if rate > best_rate * (1 + WIDER_MARGIN):
                 best_rate, best = rate, i
         every = EXPLORE_EVERY_AR if best == 0 else EXPLORE_EVERY
-        if self.step % every == 0:  # one step wider: cheap to try, and it measures the next width up
-            best = min(best + 1, len(self.widths) - 1)
+        if self.step % every == 0:  # one step off the best, in turn: the next width up (to measure it), and plain AR,
+            self._explored += 1  # whose cost a slow spell may have left too high (costs are minima): never lose to AR
+            best = 0 if best > 0 and self._explored % 2 == 0 else min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
     def observe(self, used: int, path_nodes: list[int], seconds: float) -> None:

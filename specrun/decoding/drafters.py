@@ -90,8 +90,7 @@ class RecyclingDrafter:
         return [Draft(tokens.tolist(), parents.tolist(), source)]
 
     def observe(self, v: Verified) -> None:
-        # every verified node's top-k next tokens become its token's row (Token Recycling)
-        self.matrix.update(v.tokens, torch.topk(v.logits, self.matrix.k, dim=-1).indices)
+        self.matrix.learn(v.tokens, v.logits)
 
     def commit(self, tokens: list[int]) -> None:
         pass

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specrun.decoding.decoder import FusedDecoder
-from specrun.decoding.paged_attention import BatchContext, FlashInferAttention, check_paged_backend
+from specrun.decoding.paged_attention import BatchContext, FlashInferAttention, resolve_backend
 from specrun.decoding.paged_kv import PagePool, SeqPages
 from specrun.decoding.plan import build_plan
 
@@ -26,10 +26,9 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 class PagedRunner:
-    def __init__(self, lm: LoadedModel, kv_tokens: int, page_size: int = 1, backend: str = "sdpa"):
-        check_paged_backend(backend)
+    def __init__(self, lm: LoadedModel, kv_tokens: int, page_size: int = 1, backend: str = "auto"):
         self.lm = lm
-        self.backend = backend
+        self.backend = backend = resolve_backend(backend, lm.dtype, lm.device)
         self.decoder = FusedDecoder.of(lm.model)  # refuses architectures and features it would get wrong
         self.lm_head = lm.model.get_output_embeddings()
         dec = self.decoder
@@ -49,7 +48,7 @@ class PagedRunner:
         # tokens[i], positions[i]: [T_i] long, tree_masks[i]: [T_i, T_i] bool -> hidden: [sum T_i, H]
         """
         drafting = selects is not None
-        plan = build_plan(seqs, tree_masks, pack_mask=self.backend != "sdpa" and not drafting)
+        plan = build_plan(seqs, tree_masks, pack_mask=self.backend in ("paged", "flashinfer") and not drafting)
         if self._flashinfer is not None and not drafting:
             dec = self.decoder
             self._flashinfer.plan(plan, dec.n_q, dec.n_kv, dec.head_dim, self.lm.dtype, dec.layers[0].scaling)

@@ -114,6 +114,12 @@ class RecyclingMatrix:
         keep = order[last]  # [U] positions of last occurrences
         self.matrix[tokens[keep]] = topk_ids[keep]
 
+    def learn(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Every verified node's top-k next tokens become its token's row (Token Recycling); later rows win.
+
+        # tokens: [T] long, logits: [T, V]"""
+        self.update(tokens, torch.topk(logits, self.k, dim=-1).indices)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hot-start state (a CPU copy)."""
         return {"matrix": self.matrix.detach().to("cpu", copy=True)}

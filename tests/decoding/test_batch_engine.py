@@ -6,7 +6,8 @@ import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.paged_attention import attend_paged, attend_sdpa, sdpa_spans
+from specrun.decoding.paged_attention import (attend_dense, attend_paged, attend_sdpa, dense_rows, resolve_backend,
+                                              sdpa_spans)
 from specrun.decoding.paged_kv import PagePool
 from specrun.decoding.plan import build_plan, packbits, unpackbits
 from specrun.decoding.sampling import SamplingParams
@@ -52,6 +53,47 @@ def test_paged_equals_sdpa_on_random_ragged_tries(page_size):
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dense_equals_sdpa_on_one_row_sequences_beside_tries(dtype):
+    """One-row sequences on scattered pages (a free page and a tree's page between them) attend in one call."""
+    gen = torch.Generator().manual_seed(7)
+    Hq, Hkv, D = 6, 2, 8
+    pool = PagePool(1, 6, 200, Hkv, D, dtype, "cpu")
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    holes = [pool.admit(150) for _ in range(2)]
+    seqs, masks = [], []
+    for committed, T in [(37, 1), (90, 17), (150, 1), (0, 1), (64, 1)]:
+        sp = pool.admit(committed + T)
+        sp.ensure(committed)
+        sp.append(committed)
+        seqs.append(sp)
+        masks.append(random_tree_mask(T, gen))
+        if len(seqs) == 2:
+            holes.pop().release()  # a page the forward does not use, inside the dense range
+    plan = build_plan(seqs, masks, pack_mask=False)
+    dense = dense_rows(plan, "cpu")
+    assert sorted(dense.members) == [0, 2, 3, 4] and dense.Pb > len(dense.members)
+    assert dense_rows(build_plan(seqs[:2], masks[:2], pack_mask=False), "cpu") is None  # one row alone: sdpa
+    q = torch.randn(int(plan.qo_indptr[-1]), Hq, D, generator=gen, dtype=dtype)
+    ref = attend_sdpa(sdpa_spans(plan, Hq // Hkv, q.device), pool.k[0], pool.v[0], q, None)
+    got = attend_sdpa(sdpa_spans(plan, Hq // Hkv, q.device, dense.members), pool.k[0], pool.v[0], q, None)
+    attend_dense(dense, pool.k[0], pool.v[0], q, None, got)
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    rows = plan.qo_indptr[1], plan.qo_indptr[2]  # the tree's rows took the sdpa path itself
+    assert torch.equal(got[rows[0] : rows[1]], ref[rows[0] : rows[1]])
+
+
+def test_auto_backend_is_dense_only_on_cpu_in_reduced_precision():
+    assert resolve_backend("auto", torch.bfloat16, "cpu") == "dense"
+    assert resolve_backend("auto", torch.float32, "cpu") == "sdpa"
+    assert resolve_backend("auto", torch.bfloat16, "cuda") == "sdpa"
+    assert resolve_backend("paged", torch.bfloat16, "cpu") == "paged"
+    with pytest.raises(ValueError, match="'flash'"):
+        resolve_backend("flash", torch.float32, "cpu")
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_commit_keeps_accepted_rows_and_returns_pages(page_size):
     pool = PagePool(2, 64, page_size, 1, 2, torch.float32, "cpu")
@@ -85,8 +127,9 @@ def solo(lm, prompt, params, drafters, resume=()):
     return Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params, resume_from=list(resume))
 
 
-@pytest.mark.parametrize("page_size", [1, 256])  # 256: one page per sequence (read in place, as on CPU jobs)
-def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture, page_size):
+# 256: one page per sequence (read in place, as on CPU jobs); dense: rounding-level differences leave float32 tokens
+@pytest.mark.parametrize(("page_size", "backend"), [(1, "sdpa"), (256, "sdpa"), (256, "dense")])
+def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture, page_size, backend):
     lm = load_fixture("llama_gqa", dtype="float32")
     tok = lm.tokenizer
     drafters = ("ngram", "recycling")
@@ -104,7 +147,8 @@ def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture,
     assert refs["stop"].finish_reason == "stop"
     for concurrency in (1, 2, 5):  # arrivals mid-run when fewer slots than requests
         engine = BatchEngine(lm, EngineConfig(drafters=drafters, adaptive_budget=False),  # every step drafts
-                             BatchConfig(concurrency=concurrency, kv_tokens=5 * 256, page_size=page_size))
+                             BatchConfig(concurrency=concurrency, kv_tokens=5 * 256, page_size=page_size,
+                                         backend=backend))
         got = engine.run([(key, p, params, []) for key, p, params in mixed])
         for key, _, _ in mixed:
             assert got[key].token_ids == refs[key].token_ids, (concurrency, key)

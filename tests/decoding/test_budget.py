@@ -15,7 +15,8 @@ def test_candidate_widths():
 
 
 def _timed(t: BudgetTuner, cost: dict, path=(1, 3, 6), steps=200) -> None:
-    for w in cost:  # a timed step makes a width's cost known
+    for w in cost:  # timed steps make a width's cost known (a width timed once is timed again first)
+        t.observe(w, [], cost[w])
         t.observe(w, [], cost[w])
     for _ in range(steps):
         t.observe(max(cost), list(path), cost[max(cost)])
@@ -32,7 +33,8 @@ def test_choice_trades_acceptance_against_cost_and_explores():
     t = BudgetTuner(8)
     _timed(t, cost)
     picks = [t.choose() for _ in range(2 * EXPLORE_EVERY)]
-    assert picks.count(4) == len(picks) - 2 and picks.count(8) == 2  # 3 tokens for 1.1 beats 4 for 4.0
+    assert picks.count(4) == len(picks) - 2  # 3 tokens for 1.1 beats 4 for 4.0
+    assert picks[EXPLORE_EVERY - 1] == 8 and picks[2 * EXPLORE_EVERY - 1] == 1  # one wider, then plain AR
 
 
 def test_a_wider_width_must_beat_the_narrower_by_the_margin():
@@ -40,13 +42,15 @@ def test_a_wider_width_must_beat_the_narrower_by_the_margin():
     for cost_2, wanted in ((1.0, 1), (0.9, 2)):
         t = BudgetTuner(2)
         t.observe(1, [], 1.0)
+        t.observe(1, [], 1.0)
         t.observe(2, [], cost_2)
         for k in range(1000):  # width 2's second node accepted 2% of the time
             t.observe(2, [1] if k % 50 == 0 else [], cost_2)
         gain = (t.accepted[2] / t.cost[2]) / (t.accepted[1] / t.cost[1])
         assert (1.0 < gain < 1 + WIDER_MARGIN) if wanted == 1 else gain > 1 + WIDER_MARGIN  # what the case is about
         picks = [t.choose() for _ in range(EXPLORE_EVERY_AR - 1)]
-        assert set(picks) == {wanted}, (cost_2, t.accepted, t.cost)
+        off_best = len(picks) // EXPLORE_EVERY if wanted > 1 else 0  # exploring steps (AR explores less often)
+        assert picks.count(wanted) >= len(picks) - off_best, (cost_2, t.accepted, t.cost, picks)
 
 
 def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
@@ -66,6 +70,8 @@ def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss
     t = BudgetTuner(64)
     assert t.choose() == 1  # nothing measured: time width 1 first
     t.observe(1, [], 1.0)
+    assert t.choose() == 1  # and again: a first step pays one-off set-up
+    t.observe(1, [], 1.0)
     w = t.choose()
     assert w > 1  # optimistic about drafting until measured
     picks = []
@@ -76,6 +82,22 @@ def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss
     assert picks[-20:] == [1] * 20, picks  # back to AR within 10 steps
     explored = [t.choose() for _ in range(EXPLORE_EVERY_AR)]
     assert explored.count(1) == EXPLORE_EVERY_AR - 1  # then one wider step in EXPLORE_EVERY_AR
+
+
+@pytest.mark.parametrize("slow_steps", [1, 2])
+def test_a_cold_first_step_does_not_keep_a_width_out(slow_steps):
+    """Width 1's first step paid one-off set-up (57 against 34 ms): it is timed again, and narrower widths are re-timed
+    while a wider one wins (width 1 in turn with the next wider; the case of a slow spell over both first
+    steps), so a stale cost cannot keep the tuner on
+    drafts that are never accepted (seen on smollm2, 8 sampled sequences: ~100 steps at widths 2-4 before the fix)."""
+    true_cost = {1: 34.0, 2: 45.0, 4: 46.0, 8: 83.0}
+    t = BudgetTuner(8)
+    picks = []
+    for _ in range(2 * EXPLORE_EVERY + 20):
+        w = t.choose()
+        picks.append(w)
+        t.observe(w, [], 57.0 if w == 1 and picks.count(1) <= slow_steps else true_cost[w])  # drafts never accepted
+    assert picks[:2] == [1, 1] and picks[-20:].count(1) >= 19, picks
 
 
 def test_slow_outliers_do_not_make_a_width_look_expensive():

@@ -103,6 +103,18 @@ def test_update_last_write_wins() -> None:
     assert torch.equal(rm.matrix, ref)
 
 
+def test_one_learn_over_a_batch_equals_learning_each_sequence_in_turn() -> None:
+    """The batched engine teaches the worker's matrix once per step with every sequence's nodes, in their order."""
+    g = torch.Generator().manual_seed(0)
+    parts = [(torch.tensor(t), torch.randn(len(t), 50, generator=g)) for t in ([3, 7, 3], [7, 9], [1, 3])]
+    each, once = RecyclingMatrix(50, k=8), RecyclingMatrix(50, k=8)
+    for tokens, logits in parts:
+        each.learn(tokens, logits)
+    once.learn(torch.cat([t for t, _ in parts]), torch.cat([lg for _, lg in parts]))
+    assert torch.equal(once.matrix, each.matrix)
+    assert torch.equal(once.matrix[3], torch.topk(parts[2][1][1], 8).indices)  # the last sequence's row for 3
+
+
 def test_update_refuses_bad_shapes() -> None:
     rm = RecyclingMatrix(vocab_size=30, k=8)
     with pytest.raises(ValueError, match=r"\(3, 8\)"):
