@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 
-EXPLORE_EVERY = 16  # every n-th step leaves the best width: one wider, then width 1, in turn, so both stay timed
-EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins: exploring then costs more than it finds
+EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
+EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins; and as often, width 1 while drafting wins
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
@@ -33,7 +33,6 @@ class BudgetTuner:
         self.accepted = {w: min(float(w), PRIOR_ACCEPTED) for w in self.widths}
         self._acc_n = dict.fromkeys(self.widths, 1)  # the prior counts as one observation
         self.step = 0
-        self._explored = 0
 
     def estimated_cost(self, w: int) -> float | None:
         """Measured cost, or (optimistically) that of the widest measured width below w; None if nothing is known."""
@@ -56,10 +55,10 @@ class BudgetTuner:
         for rate, i in rates[1:]:
             if rate > best_rate * (1 + WIDER_MARGIN):
                 best_rate, best = rate, i
-        every = EXPLORE_EVERY_AR if best == 0 else EXPLORE_EVERY
-        if self.step % every == 0:  # one step off the best, in turn: the next width up (to measure it), and plain AR,
-            self._explored += 1  # whose cost a slow spell may have left too high (costs are minima): never lose to AR
-            best = 0 if best > 0 and self._explored % 2 == 0 else min(best + 1, len(self.widths) - 1)
+        if best > 0 and self.step % EXPLORE_EVERY_AR == 0:  # re-time plain AR, whose cost a slow spell may have left
+            return self.widths[0]  # too high (costs are minima): drafting must never lose to it unnoticed
+        if self.step % (EXPLORE_EVERY_AR if best == 0 else EXPLORE_EVERY) == 0:  # one wider: measures the next width up
+            best = min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
     def observe(self, used: int, path_nodes: list[int], seconds: float) -> None:

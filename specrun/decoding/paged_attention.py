@@ -1,7 +1,7 @@
 """Attention for a forward over packed sequences in the paged pool, behind one switch: sdpa | dense | paged | flashinfer.
 
 `sdpa` (the reference) attends each sequence as a solo run does (same kernel, same operand shapes: bit-identical on
-CPU); `dense` attends every one-row sequence in one batched matmul (exact up to rounding, the CPU default in bf16);
+CPU); `dense` attends them all in one batched matmul (dense_attention.py; exact up to rounding, the CPU default in bf16);
 `paged` interprets the plan arrays flashinfer takes, in torch; `flashinfer` hands the same plan to flashinfer.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specrun.decoding.dense_attention import Dense, attend_dense, dense_rows
 from specrun.decoding.paged_kv import PagePool, gather_slots, gather_tokens
 from specrun.decoding.plan import BatchPlan
 
 PAGED_BACKENDS = ("sdpa", "dense", "paged", "flashinfer")
 REDUCED = (torch.bfloat16, torch.float16)
-DENSE_BUCKET = 64  # dense attends over a multiple of this many keys
 
 
 def check_paged_backend(name: str) -> None:
@@ -26,7 +26,7 @@ def check_paged_backend(name: str) -> None:
 
 
 def resolve_backend(name: str, dtype: torch.dtype, device) -> str:
-    """auto: `dense` on CPU in reduced precision (one call for all AR rows: ~2x faster attention there, and bf16 is
+    """auto: `dense` on CPU in reduced precision (one call for all sequences: ~2x faster attention there, and bf16 is
     exact only up to near ties anyway), else `sdpa`, which keeps float32 sequences bit-for-bit their solo runs."""
     check_paged_backend(name)
     if name != "auto":
@@ -79,59 +79,6 @@ def attend_sdpa(spans: list[_Span], k_store, v_store, q: torch.Tensor, scaling, 
         o = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=sp.mask, scale=scaling)
         out[sp.a : sp.b] = o.reshape(Hq, T, D).transpose(0, 1)
     return out
-
-
-@dataclass(frozen=True)
-class _Dense:
-    """The forward's one-row sequences held on one page each, attended as one batch over pages [lo, lo + Pb)."""
-
-    lo: int
-    Pb: int
-    slot: torch.Tensor  # [n] long: each such sequence's page - lo
-    rows: torch.Tensor  # [n] long: its query row
-    S: int  # keys of the longest; the others' extra keys are masked
-    bias: torch.Tensor  # [Pb, 1, S, 1] float32: 0 where a key is seen, -inf not (a page outside the forward sees key 0)
-    members: frozenset  # their sequence indices in the plan
-
-
-def dense_rows(plan: BatchPlan, device) -> _Dense | None:
-    """Which sequences `dense` attends together: one new token (it sees every key) and all keys on one page."""
-    idx = [i for i in range(plan.batch_size) if plan.qo_len(i) == 1 and plan.pages(i).shape[0] == 1]
-    if len(idx) < 2:  # one row alone: the solo path's one sdpa call is cheaper than the batched ops
-        return None
-    pages = [int(plan.pages(i)[0]) for i in idx]
-    lens = [plan.kv_len(i) for i in idx]
-    # keys rounded up to a bucket: a bf16 matmul of a new shape costs ~0.5 ms to set up (oneDNN builds a primitive per
-    # shape), and one more key per step would be a new shape every step
-    lo, S = min(pages), min(plan.page_size, -(-max(lens) // DENSE_BUCKET) * DENSE_BUCKET)
-    Pb = max(pages) - lo + 1
-    seen = torch.zeros((Pb, S), dtype=torch.bool)
-    seen[:, 0] = True  # pages between the forward's ones (other sequences, free pages): one key keeps softmax finite
-    seen[torch.tensor(pages) - lo] = torch.arange(S)[None] < torch.tensor(lens)[:, None]
-    bias = torch.zeros((Pb, S), dtype=torch.float32).masked_fill_(~seen, float("-inf"))[:, None, :, None]
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return _Dense(lo, Pb, as_long(pages) - lo, as_long([int(plan.qo_indptr[i]) for i in idx]), S, bias.to(device),
-                  frozenset(idx))
-
-
-def attend_dense(d: _Dense, k_store, v_store, q: torch.Tensor, scaling, out: torch.Tensor) -> None:
-    """One-row sequences in one call: scores K q^T per (page, KV head) over their pages in place (a strided view, no
-    copy; K as the left operand keeps bf16 matmul on its fast path), float32 softmax, then p V.
-
-    # q: [Ntok, Hq, D], stores: [Pg, Hkv, P, D]; writes out[d.rows]
-    """
-    Hq, D = q.shape[1], q.shape[2]
-    Hkv = k_store.shape[1]
-    G, B = Hq // Hkv, d.Pb * Hkv
-    scale = D**-0.5 if scaling is None else scaling
-    keys = k_store[d.lo : d.lo + d.Pb, :, : d.S].reshape(B, d.S, D)  # [Pb*Hkv, S, D], a view
-    values = v_store[d.lo : d.lo + d.Pb, :, : d.S].reshape(B, d.S, D)
-    qp = q.new_zeros((d.Pb, Hq, D))
-    qp[d.slot] = q[d.rows]
-    s = torch.bmm(keys, qp.view(B, G, D).transpose(1, 2))  # [Pb*Hkv, S, G]
-    s = s.view(d.Pb, Hkv, d.S, G).to(torch.promote_types(q.dtype, torch.float32)).mul_(scale).add_(d.bias)
-    p = torch.softmax(s.transpose(2, 3), dim=3).to(q.dtype).reshape(B, G, d.S)  # [Pb*Hkv, G, S]
-    out[d.rows] = torch.bmm(p, values).view(d.Pb, Hq, D)[d.slot]
 
 
 def attend_selected(plan: BatchPlan, k_store, v_store, q: torch.Tensor, scaling, selects: list, layer: int):
@@ -220,7 +167,7 @@ class BatchContext:
     selects: list | None = None  # a self-draft forward: per sequence its partial cache [Lyr, Hkv, B] or None
     queries: list | None = None  # when a list, each layer appends its q [N, Hq, D] (for KV importance)
     _spans: list | None = None  # sdpa/dense: per-sequence rows, keys and masks, worked out at the first layer
-    _dense: _Dense | None = None  # dense: the one-row sequences attended together
+    _dense: Dense | None = None  # dense: the sequences attended together
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
         """Write the new tokens' K/V into their pages, then attend. # q: [1, Hq, N, D], k/v: [1, Hkv, N, D] -> [1, N, Hq, D]"""
@@ -239,9 +186,10 @@ class BatchContext:
             out = attend_paged(self.plan, k_store, v_store, qn, scaling)
         else:
             if self._spans is None:
-                self._dense = dense_rows(self.plan, q.device) if self.backend == "dense" else None
+                G = q.shape[1] // k.shape[1]
+                self._dense = dense_rows(self.plan, k.shape[1], G, q.device) if self.backend == "dense" else None
                 skip = self._dense.members if self._dense is not None else frozenset()
-                self._spans = sdpa_spans(self.plan, q.shape[1] // k.shape[1], q.device, skip)
+                self._spans = sdpa_spans(self.plan, G, q.device, skip)
             out = attend_sdpa(self._spans, k_store, v_store, qn, scaling)
             if self._dense is not None:
                 attend_dense(self._dense, k_store, v_store, qn, scaling, out)

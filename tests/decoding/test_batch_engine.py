@@ -6,8 +6,8 @@ import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.paged_attention import (attend_dense, attend_paged, attend_sdpa, dense_rows, resolve_backend,
-                                              sdpa_spans)
+from specrun.decoding.dense_attention import attend_dense, dense_rows
+from specrun.decoding.paged_attention import attend_paged, attend_sdpa, resolve_backend, sdpa_spans
 from specrun.decoding.paged_kv import PagePool
 from specrun.decoding.plan import build_plan, packbits, unpackbits
 from specrun.decoding.sampling import SamplingParams
@@ -54,35 +54,37 @@ def test_paged_equals_sdpa_on_random_ragged_tries(page_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_dense_equals_sdpa_on_one_row_sequences_beside_tries(dtype):
-    """One-row sequences on scattered pages (a free page and a tree's page between them) attend in one call."""
+def test_dense_equals_sdpa_on_random_ragged_tries(dtype, monkeypatch):
+    """Sequences on scattered pages (another sequence's page between them), one-row and trie-wide, attend in one call."""
     gen = torch.Generator().manual_seed(7)
     Hq, Hkv, D = 6, 2, 8
     pool = PagePool(1, 6, 200, Hkv, D, dtype, "cpu")
     pool.k.normal_(generator=gen)
     pool.v.normal_(generator=gen)
-    holes = [pool.admit(150) for _ in range(2)]
+    hole, outside = pool.admit(150), pool.admit(150)
+    hole.ensure(1)
+    outside.ensure(1)  # pages 0 and 1; page 1 stays another sequence's
     seqs, masks = [], []
-    for committed, T in [(37, 1), (90, 17), (150, 1), (0, 1), (64, 1)]:
+    for committed, T in [(37, 1), (90, 17), (150, 1), (0, 5), (64, 9)]:
         sp = pool.admit(committed + T)
         sp.ensure(committed)
         sp.append(committed)
         seqs.append(sp)
-        masks.append(random_tree_mask(T, gen))
+        masks.append(torch.ones(T, T, dtype=torch.bool).tril() if committed == 0 else random_tree_mask(T, gen))
         if len(seqs) == 2:
-            holes.pop().release()  # a page the forward does not use, inside the dense range
+            hole.release()  # page 0 goes to the next sequence: the forward's pages are 0, 2, 3, 4, 5
     plan = build_plan(seqs, masks, pack_mask=False)
-    dense = dense_rows(plan, "cpu")
-    assert sorted(dense.members) == [0, 2, 3, 4] and dense.Pb > len(dense.members)
-    assert dense_rows(build_plan(seqs[:2], masks[:2], pack_mask=False), "cpu") is None  # one row alone: sdpa
+    dense = dense_rows(plan, Hkv, Hq // Hkv, "cpu")
+    assert dense.members == frozenset(range(5)) and dense.Pb == 6 and dense.T == 17
     q = torch.randn(int(plan.qo_indptr[-1]), Hq, D, generator=gen, dtype=dtype)
     ref = attend_sdpa(sdpa_spans(plan, Hq // Hkv, q.device), pool.k[0], pool.v[0], q, None)
-    got = attend_sdpa(sdpa_spans(plan, Hq // Hkv, q.device, dense.members), pool.k[0], pool.v[0], q, None)
+    got = torch.full_like(q, float("nan"))
     attend_dense(dense, pool.k[0], pool.v[0], q, None, got)
     tol = 1e-12 if dtype == torch.float64 else 2e-2
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-    rows = plan.qo_indptr[1], plan.qo_indptr[2]  # the tree's rows took the sdpa path itself
-    assert torch.equal(got[rows[0] : rows[1]], ref[rows[0] : rows[1]])
+    assert dense_rows(build_plan(seqs[:1], masks[:1], pack_mask=False), Hkv, Hq // Hkv, "cpu") is None  # one: sdpa
+    monkeypatch.setattr("specrun.decoding.dense_attention.DENSE_MAX_SCORES", 6 * Hkv * 192 * 3 * 17 * 4 - 1)
+    assert dense_rows(plan, Hkv, Hq // Hkv, "cpu") is None  # scores over the cap: the per-sequence path
 
 
 def test_auto_backend_is_dense_only_on_cpu_in_reduced_precision():
