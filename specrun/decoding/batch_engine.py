@@ -159,7 +159,9 @@ class BatchEngine:
     def _tuner(self, n: int) -> BudgetTuner | None:
         if not self.names or not self.config.adaptive_budget:
             return None
-        return self._tuners.setdefault(n, BudgetTuner(self.config.trie_budget))
+        if n not in self._tuners:
+            self._tuners[n] = BudgetTuner(self.config.trie_budget)
+        return self._tuners[n]
 
     def _draft(self, a: _Active, budget: int) -> list:
         if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 
 EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
-EXPLORE_EVERY_AR = 64  # ... less often while width 1 (plain AR) wins; and as often, width 1 while drafting wins
+EXPLORE_EVERY_AR = 64  # while width 1 (plain AR) wins: the first gap to a wider step, doubled after each one that
+EXPLORE_MAX_AR = 128  # ... loses, up to this (sampled text: drafts keep missing); width 1 this often while drafting wins
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
@@ -33,6 +34,8 @@ class BudgetTuner:
         self.accepted = {w: min(float(w), PRIOR_ACCEPTED) for w in self.widths}
         self._acc_n = dict.fromkeys(self.widths, 1)  # the prior counts as one observation
         self.step = 0
+        self._ar_gap = EXPLORE_EVERY_AR  # steps from one wider step to the next while width 1 wins
+        self._ar_next = EXPLORE_EVERY_AR  # the step of the next one
 
     def estimated_cost(self, w: int) -> float | None:
         """Measured cost, or (optimistically) that of the widest measured width below w; None if nothing is known."""
@@ -55,9 +58,16 @@ class BudgetTuner:
         for rate, i in rates[1:]:
             if rate > best_rate * (1 + WIDER_MARGIN):
                 best_rate, best = rate, i
-        if best > 0 and self.step % EXPLORE_EVERY_AR == 0:  # re-time plain AR, whose cost a slow spell may have left
-            return self.widths[0]  # too high (costs are minima): drafting must never lose to it unnoticed
-        if self.step % (EXPLORE_EVERY_AR if best == 0 else EXPLORE_EVERY) == 0:  # one wider: measures the next width up
+        if best == 0:  # plain AR wins: one wider step now and then, less often each time (it costs more than it finds)
+            if self.step < self._ar_next:
+                return self.widths[0]
+            self._ar_next = self.step + self._ar_gap
+            self._ar_gap = min(2 * self._ar_gap, EXPLORE_MAX_AR)
+            return self.widths[min(1, len(self.widths) - 1)]
+        self._ar_gap, self._ar_next = EXPLORE_EVERY_AR, self.step + EXPLORE_EVERY_AR
+        if self.step % EXPLORE_EVERY_AR == 0:  # re-time plain AR, whose cost a slow spell may have left too high
+            return self.widths[0]  # (costs are minima): drafting must never lose to it unnoticed
+        if self.step % EXPLORE_EVERY == 0:  # one wider: measures the next width up
             best = min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
@@ -68,7 +78,10 @@ class BudgetTuner:
     def observe_batch(self, used: int, paths: list[list[int]], seconds: float) -> None:
         """One step of several sequences (each its own trie of width `used`): their mean acceptance is one
         observation, so a batch moves the estimate as much as one sequence's step does."""
-        for w in self.widths:  # a width wider than `used` would have accepted at least this path: a lower bound
+        # a width wider than `used` would have accepted at least this path: a lower bound, taken as an observation
+        # except from a plain AR step, which drafted nothing (its bound of 1 token would wear every estimate down to 1
+        # while AR wins, and a hit found by an exploring step could then never lift width 2 above it again)
+        for w in self.widths if used > 1 else self.widths[:1]:
             acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
             self._acc_n[w] += 1
             self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, WIDER_MARGIN, BudgetTuner,
-                                     candidate_widths)
+from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR, WIDER_MARGIN,
+                                     BudgetTuner, candidate_widths)
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.sampling import SamplingParams
 
@@ -97,6 +97,19 @@ def test_a_cold_first_step_does_not_keep_a_width_out(slow_steps):
         picks.append(w)
         t.observe(w, [], 57.0 if w == 1 and picks.count(1) <= slow_steps else true_cost[w])  # drafts never accepted
     assert picks[:2] == [1, 1] and picks[-20:].count(1) >= 19, picks
+
+
+def test_exploring_backs_off_while_drafts_keep_missing():
+    """Sampled text: every wider step costs 1.3x and finds nothing; the gaps between them double up to a cap."""
+    t = BudgetTuner(8)
+    wider = []
+    for step in range(1, 1100):
+        w = t.choose()
+        t.observe(w, [], 1.0 if w == 1 else 1.3)
+        if w > 1 and step > 20:  # after the first timings
+            wider.append(step)
+    gaps = [b - a for a, b in zip(wider, wider[1:])]
+    assert gaps[:3] == [EXPLORE_EVERY_AR, 2 * EXPLORE_EVERY_AR, EXPLORE_MAX_AR] and set(gaps[2:]) == {EXPLORE_MAX_AR}
 
 
 def test_slow_outliers_do_not_make_a_width_look_expensive():
