@@ -23,6 +23,7 @@ from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.sequence import Sequence
+from specrun.decoding.shadow import Shadow, shadowable
 from specrun.decoding.stats import GenStats
 from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
 
@@ -53,6 +54,7 @@ class _Active:
     stats: GenStats
     heads: BatchedSelfDrafter | None = None  # its self-drafter, which the batch's draft forward feeds
     trie: Trie | None = None  # this step's
+    shadow: Shadow | None = None  # its full-width trie drafted at a plain AR step, for the tuner
     done: str | None = None  # finish reason once finished (or "stopped" by the caller)
 
 
@@ -71,6 +73,7 @@ class BatchEngine:
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
+        self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
 
     # -- admission --------------------------------------------------------------------------------------------------
@@ -90,7 +93,8 @@ class BatchEngine:
         for d in drafters:
             d.start(known)
         a = _Active(key, st, pages, drafters, GenStats(tuple(self.names)),
-                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None))
+                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None),
+                    shadow=Shadow() if self._shadowing else None)
         if not st.finished():
             with a.stats.time("prefill"):
                 self.runner.prefill(pages, st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
@@ -114,6 +118,9 @@ class BatchEngine:
                 draft_batch(self.runner, self.heads, [(a.pages, a.heads, a.st.root, a.st.n - 1) for a in drafting])
             for a in live:
                 a.trie = build_trie(a.st.root, self._draft(a, budget), budget, self.lm.device)
+                if budget == 1 and a.shadow is not None and a.shadow.due():  # what a full trie would accept
+                    full = self.config.trie_budget
+                    a.shadow.take(build_trie(a.st.root, self._draft(a, full), full, self.lm.device), len(a.st.out))
             t_draft = time.perf_counter() - t
             t = time.perf_counter()
             hidden, logits = self._verify(live)
@@ -129,6 +136,9 @@ class BatchEngine:
                 self.recycling.learn(torch.cat([a.trie.tokens for a in live]), logits)
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
                 tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
+                shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]
+                if shadows:
+                    tuner.observe_shadow(shadows)
             for a, (_, emitted) in zip(live, accepted):
                 a.stats.phase["draft"] += t_draft  # every sequence waited for the whole batch's drafting and forward
                 a.stats.phase["forward"] += t_forward

@@ -12,6 +12,8 @@ from collections import deque
 EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
 EXPLORE_EVERY_AR = 64  # while width 1 (plain AR) wins: the first gap to a wider step, doubled after each one that
 EXPLORE_MAX_AR = 128  # ... loses, up to this (sampled text: drafts keep missing); width 1 this often while drafting wins
+EXPLORE_MAX_SHADOWED = 1024  # the cap once shadow tries (shadow.py) measure acceptance at AR steps (exploring then
+# only re-times the wider widths' costs)
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
@@ -36,6 +38,7 @@ class BudgetTuner:
         self.step = 0
         self._ar_gap = EXPLORE_EVERY_AR  # steps from one wider step to the next while width 1 wins
         self._ar_next = EXPLORE_EVERY_AR  # the step of the next one
+        self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
 
     def estimated_cost(self, w: int) -> float | None:
         """Measured cost, or (optimistically) that of the widest measured width below w; None if nothing is known."""
@@ -62,7 +65,7 @@ class BudgetTuner:
             if self.step < self._ar_next:
                 return self.widths[0]
             self._ar_next = self.step + self._ar_gap
-            self._ar_gap = min(2 * self._ar_gap, EXPLORE_MAX_AR)
+            self._ar_gap = min(2 * self._ar_gap, EXPLORE_MAX_SHADOWED if self._shadowed else EXPLORE_MAX_AR)
             return self.widths[min(1, len(self.widths) - 1)]
         self._ar_gap, self._ar_next = EXPLORE_EVERY_AR, self.step + EXPLORE_EVERY_AR
         if self.step % EXPLORE_EVERY_AR == 0:  # re-time plain AR, whose cost a slow spell may have left too high
@@ -81,11 +84,20 @@ class BudgetTuner:
         # a width wider than `used` would have accepted at least this path: a lower bound, taken as an observation
         # except from a plain AR step, which drafted nothing (its bound of 1 token would wear every estimate down to 1
         # while AR wins, and a hit found by an exploring step could then never lift width 2 above it again)
-        for w in self.widths if used > 1 else self.widths[:1]:
-            acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
-            self._acc_n[w] += 1
-            self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])
+        self._observe_accepted(used, paths, self.widths if used > 1 else self.widths[:1])
         if used in self._times:
             times = self._times[used]
             times.append(seconds)
             self.cost[used] = min(times)
+
+    def observe_shadow(self, paths: list[list[int]]) -> None:
+        """Accepted paths of full-width tries that plain AR steps did not verify (shadow.py), one observation: exact
+        acceptance for every wider width, at no cost to time."""
+        self._observe_accepted(self.widths[-1], paths, self.widths[1:])
+        self._shadowed = True
+
+    def _observe_accepted(self, used: int, paths: list[list[int]], widths: list[int]) -> None:
+        for w in widths:
+            acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
+            self._acc_n[w] += 1
+            self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])

@@ -24,7 +24,8 @@ from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
-from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
+from specrun.decoding.shadow import Shadow, shadowable
+from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, drafted_mass, walk
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -104,6 +105,7 @@ class Engine:
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)
         self.tuner = BudgetTuner(config.trie_budget) if self.drafters and config.adaptive_budget else None
+        self._shadowing = self.tuner is not None and shadowable(names)
         self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
 
     # -- the recipe ---------------------------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class Engine:
             return GenerationResult(st.out, done, stats.as_dict())
         with stats.time("prefill"):
             self.runner.prefill(st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
+        shadow = Shadow() if self._shadowing else None
         while not done:
             t_step = time.perf_counter()
             ctx = DraftContext(st.root, st.n - 1)
@@ -128,8 +131,10 @@ class Engine:
             drafts = []
             with stats.time("draft"):
                 if budget > 1:  # a width of 1 verifies the root alone: drafting would be wasted
-                    proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)]
-                    drafts = [d for i in self._merge_order for d in proposals[i]]
+                    drafts = self._drafts(ctx)
+                elif shadow is not None and shadow.due():  # what a full trie would accept, for the tuner
+                    shadow.take(build_trie(ctx.root, self._drafts(ctx), self.config.trie_budget, self.lm.device),
+                                len(st.out))
             with stats.time("trie"):
                 trie = build_trie(ctx.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
@@ -148,6 +153,8 @@ class Engine:
                 self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
                 self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step)
+                if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
+                    self.tuner.observe_shadow([shadow_path])
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
             stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources,
                               len(st.out) - len(emitted), width=budget if self.drafters else 1)
@@ -174,6 +181,10 @@ class Engine:
         positions = trie.depths + (st.n - 1)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
+
+    def _drafts(self, ctx: DraftContext) -> list[Draft]:
+        proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)]
+        return [d for i in self._merge_order for d in proposals[i]]
 
     def _update_drafters(self, verified: Verified, emitted: list[int]) -> None:
         for d in self.drafters:

@@ -1,0 +1,54 @@
+"""Counterfactual acceptance while the width tuner keeps plain AR: a full-width trie drafted now, walked later.
+
+Position-keyed sampling accepts a node iff its token is the one AR emits at its position (DESIGN section 2), so walking
+the trie over the tokens AR then emits gives exactly the path its verify would have accepted, with no forward paid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specrun.decoding.drafters import NEEDS_HEADS
+from specrun.decoding.trie import Trie, walk
+
+SHADOW_EVERY = 16  # steps between shadow tries of one sequence: drafting a full-width trie costs ~0.3 ms
+
+
+def shadowable(drafters: tuple[str, ...]) -> bool:
+    """Shadows need drafts that cost no forward: not for heads, whose drafting is a forward of its own."""
+    return bool(drafters) and not any(n in NEEDS_HEADS for n in drafters)
+
+
+class Shadow:
+    """One sequence's shadow trie in flight: take() at a plain AR step, resolve() as its tokens come in."""
+
+    def __init__(self):
+        self.trie: Trie | None = None
+        self.start = 0  # index in the output of the token AR emits at the trie's root
+        self.wait = 0  # steps until the next shadow may be taken
+
+    def due(self) -> bool:
+        """Counts a plain AR step; True when a shadow trie should be drafted at this one."""
+        if self.trie is not None:
+            return False
+        self.wait -= 1
+        return self.wait < 0
+
+    def take(self, trie: Trie, n_out: int) -> None:
+        """trie: drafted at the step whose root emits out[n_out] (n_out = tokens generated before that step)."""
+        self.trie, self.start, self.wait = trie, n_out, SHADOW_EVERY - 1
+
+    def resolve(self, out: list[int]) -> list[int] | None:
+        """The trie's accepted path (node indices beyond the root) once AR has emitted every token it decides on."""
+        trie = self.trie
+        if trie is None:
+            return None
+        depth = int(trie.depths.max())
+        if len(out) < self.start + depth:
+            return None
+        # a node at depth d is followed by AR's token at output index start + d (no node needs the one after the deepest)
+        known = torch.tensor(out[self.start : self.start + depth + 1], dtype=torch.long)
+        choice = torch.full((depth + 1,), -1, dtype=torch.long)
+        choice[: known.numel()] = known
+        self.trie = None
+        return walk(trie, choice.to(trie.depths.device)[trie.depths]).tolist()[1:]
