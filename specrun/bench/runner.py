@@ -36,6 +36,7 @@ DEFAULT_RUNS: tuple[RunSpec, ...] = (
     RunSpec("specrun_spec", "specrun"),
     RunSpec("ngram_only", "specrun", (("drafters", ("ngram",)),)),
     RunSpec("recycling_only", "specrun", (("drafters", ("recycling",)),)),
+    RunSpec("recurrent_only", "specrun", (("drafters", ("recurrent",)),)),  # skipped without a recurrent drafter
     RunSpec("heads_partial", "specrun", (("drafters", ("heads",)), ("kv_mode", "partial")), needs_heads=True),
     # fused drafting in place of the self-draft forward, beside the other drafters
     RunSpec("fused_spec", "specrun", (("drafters", ("fused", "ngram", "recycling")),), needs_heads=True),
@@ -103,13 +104,27 @@ def plan(base: EngineConfig, heads_path: str | None, runs=DEFAULT_RUNS) -> tuple
         try:
             config = dataclasses.replace(base, **over)
             check = getattr(config, "active_drafters", None)  # engines with optional heads validate names here
-            if check is not None:
-                check(bool(config.heads_path) if "heads_path" in names else False)
+            if check is not None:  # (a recurrent drafter is only known once the model is loaded: drop_unrunnable)
+                check(bool(config.heads_path) if "heads_path" in names else False, True)
         except (ValueError, TypeError) as e:
             notes.append(f"{spec.name} skipped: {e}")
             continue
         planned.append((spec, config))
     return planned, notes
+
+
+def drop_unrunnable(planned: list, lm, notes: list[str]) -> list:
+    """The planned rows whose drafters can run on lm (a recurrent drafter needs one made for it)."""
+    keep = []
+    for spec, config in planned:
+        if spec.kind == "specrun":
+            try:
+                config.active_drafters(bool(config.heads_path), config.recurrent_weights(lm) is not None)
+            except ValueError as e:
+                notes.append(f"{spec.name} skipped: {e}")
+                continue
+        keep.append((spec, config))
+    return keep
 
 
 def hf_notes(params: SamplingParams, prompt_len: int) -> list[str]:

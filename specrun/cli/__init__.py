@@ -30,8 +30,9 @@ def _register() -> None:
     from specrun.cli.jobs import export, resume, status, submit
     from specrun.cli.report import report
     from specrun.cli.train import train_heads
+    from specrun.cli.train_drafter import train_drafter
 
-    for cmd in (generate, submit, resume, status, stop, export, report, train_heads, bench):
+    for cmd in (generate, submit, resume, status, stop, export, report, train_heads, train_drafter, bench):
         main.add_command(cmd)
 
 

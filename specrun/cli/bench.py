@@ -68,7 +68,8 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels
       specrun bench --model smollm2 --chat --prompt "Write a long story." --max-tokens 1024 --concurrency 1,4,8
     """
     from specrun.bench.report import annotate_divergences, render, summarize
-    from specrun.bench.runner import DEFAULT_RUNS, BenchSettings, bench_params, hf_notes, plan, run_bench
+    from specrun.bench.runner import (DEFAULT_RUNS, BenchSettings, bench_params, drop_unrunnable, hf_notes, plan,
+                                      run_bench)
     from specrun.cli.generate import encode_prompt, load_for_cli
 
     if (prompt is None) == (prompt_file is None):
@@ -110,6 +111,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels
     except (ValueError, OSError) as e:
         raise click.ClickException(f"cannot load model {model!r}: {e}") from e
     lm = load_for_cli(model, dtype, device, trust_remote_code)
+    planned = drop_unrunnable(planned, lm, notes)
     prompt_ids = encode_prompt(lm, text, chat)
     if len(prompt_ids) + n > lm.max_context:
         raise click.ClickException(f"prompt ({len(prompt_ids)} tokens) + {n} new tokens exceeds the model context "

@@ -6,6 +6,7 @@ Each decorator adds a group of options; the matching `*_from` turns the parsed v
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import click
 
@@ -56,10 +57,14 @@ sampling_options = _stack(
 
 engine_options = _stack(
     click.option("--draft", default="auto", show_default=True,
-                 help=f"Drafters: 'auto' (ngram and recycling, plus heads with --heads), 'none' for plain "
+                 help=f"Drafters: 'auto' (ngram and recycling, the recurrent drafter where --drafter has one, heads "
+                      f"with --heads), 'none' for plain "
                       f"autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
     click.option("--heads", "heads_path", type=click.Path(exists=True, file_okay=False), default=None,
                  help="Trained draft heads directory (specrun train-heads) for TokenSwift self-drafting."),
+    click.option("--drafter", "drafter_path", default="auto", show_default=True, metavar="auto|none|DIR",
+                 help="Recurrent drafter (specrun train-drafter) for --draft recurrent (or auto): a drafter "
+                      "directory; 'auto' = the one shipped for the model, if any; 'none' = without it."),
     click.option("--trie-budget", type=int, default=64, show_default=True,
                  help="Most trie nodes verified per step; the engine picks the fastest width up to it."),
     click.option("--fixed-budget", is_flag=True, help="Always verify --trie-budget nodes (no adaptive sizing)."),
@@ -86,6 +91,17 @@ def parse_draft(value: str) -> tuple[str, ...] | None:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
+def parse_drafter(value: str | None) -> str | None:
+    """--drafter: auto, none (-> None), or an existing drafter directory."""
+    if value is None or value.strip().lower() == "none":
+        return None
+    if value.strip().lower() == "auto":
+        return "auto"
+    if not Path(value).expanduser().is_dir():
+        raise click.BadParameter(f"{value!r} is not a drafter directory (or auto, none)", param_hint="--drafter")
+    return str(Path(value).expanduser())
+
+
 def parse_tree(value: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in value.split(","))
@@ -106,7 +122,8 @@ def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
 
 # engine_options' parameter names -> the EngineConfig field each one sets
 ENGINE_FLAGS = {"draft": "drafters", "trie_budget": "trie_budget", "ngram_topk": "ngram_topk",
-                "fixed_budget": "adaptive_budget", "heads_path": "heads_path", "tree": "tree", "kv_mode": "kv_mode",
+                "fixed_budget": "adaptive_budget", "heads_path": "heads_path", "drafter_path": "drafter_path",
+                "tree": "tree", "kv_mode": "kv_mode",
                 "kv_budget": "kv_budget", "kv_sinks": "kv_sinks", "attention": "attention"}
 
 
@@ -114,7 +131,8 @@ def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> 
     """EngineConfig from every engine flag; with `base`, only the flags named in `given` (set on the command line)
     replace base's values (`specrun resume`)."""
     fields = dict(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
-                  adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"], tree=parse_tree(kw["tree"]),
+                  adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"],
+                  drafter_path=parse_drafter(kw.get("drafter_path", "auto")), tree=parse_tree(kw["tree"]),
                   kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"])
     try:
         if base is None:

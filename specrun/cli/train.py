@@ -11,30 +11,39 @@ from pathlib import Path
 import click
 
 from specrun.cli.generate import load_for_cli
-from specrun.cli.options import model_options
+from specrun.cli.options import _stack, model_options
 
 PLAIN_LINES = 20  # progress lines printed over a run when stdout is not a terminal
 
 
+def training_options(what: str, file_hint: str, *, seq_len: int, steps: int, lr: float, batch_size: int, warmup: int):
+    """--data, --out and the optimiser flags every `train-*` command takes, with that command's defaults."""
+    return _stack(
+        click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
+                     help="Training text: .txt (one document per file), .jsonl (a 'text' field per line) or .parquet "
+                          "(a 'text' column). Repeat for several files."),
+        click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+                     help=f"Directory to write {file_hint} into (pass it to --{what} later)."),
+        click.option("--seq-len", type=int, default=seq_len, show_default=True,
+                     help="Tokens per packed training sequence."),
+        click.option("--steps", type=int, default=steps, show_default=True, help="Optimizer steps."),
+        click.option("--lr", type=float, default=lr, show_default=True, help="Peak learning rate (AdamW)."),
+        click.option("--batch-size", type=int, default=batch_size, show_default=True, help="Sequences per micro-batch."),
+        click.option("--warmup", type=int, default=warmup, show_default=True,
+                     help="Linear warmup steps before the cosine decay."),
+        click.option("--heldout-fraction", type=float, default=0.05, show_default=True,
+                     help="Share of the packed sequences held out for the final loss/accuracy."),
+        click.option("--seed", type=int, default=0, show_default=True),
+    )
+
+
 @click.command("train-heads")
 @model_options
-@click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
-              help="Training text: .txt (one document per file), .jsonl (a 'text' field per line) or .parquet "
-                   "(a 'text' column). Repeat for several files.")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory to write heads.safetensors + heads.json into (pass it to --heads later).")
-@click.option("--seq-len", type=int, default=8192, show_default=True, help="Tokens per packed training sequence.")
-@click.option("--steps", type=int, default=200, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=float, default=5e-3, show_default=True, help="Peak learning rate (AdamW).")
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@training_options("heads", "heads.safetensors + heads.json", seq_len=8192, steps=200, lr=5e-3, batch_size=1, warmup=50)
 @click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per optimizer step.")
-@click.option("--warmup", type=int, default=50, show_default=True, help="Linear warmup steps before the cosine decay.")
 @click.option("--weight-decay", type=float, default=0.1, show_default=True)
-@click.option("--heldout-fraction", type=float, default=0.05, show_default=True,
-              help="Share of the packed sequences held out for the final loss/accuracy.")
 @click.option("--gamma", type=int, default=3, show_default=True, help="Number of chained draft heads.")
 @click.option("--branch-norm", is_flag=True, help="Put an RMSNorm in front of each head's linear layer.")
-@click.option("--seed", type=int, default=0, show_default=True)
 def train_heads(model, dtype, device, trust_remote_code, data, out, seq_len, steps, lr, batch_size, grad_accum, warmup,
                 weight_decay, heldout_fraction, gamma, branch_norm, seed):
     """Train self-drafting heads (TokenSwift) for a model; the model itself stays frozen.
@@ -79,15 +88,15 @@ def train_heads(model, dtype, device, trust_remote_code, data, out, seq_len, ste
 class _Bar:
     """A rich progress bar with the loss on a terminal; otherwise about PLAIN_LINES plain 'step n/N loss' lines."""
 
-    def __init__(self, steps: int, rich: bool):
-        self.steps, self.rich, self.every = steps, rich, max(1, steps // PLAIN_LINES)
+    def __init__(self, steps: int, rich: bool, label: str = "training heads"):
+        self.steps, self.rich, self.every, self.label = steps, rich, max(1, steps // PLAIN_LINES), label
         self.progress = self.task = None
 
     def __enter__(self):
         if self.rich:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("training heads"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
             self.progress.start()
             self.task = self.progress.add_task("train", total=self.steps, info="tokenizing data")

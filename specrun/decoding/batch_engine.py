@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.budget import BudgetTuner
-from specrun.decoding.drafters import MERGE_PRIORITY, Drafter, Verified
+from specrun.decoding.drafters import MERGE_PRIORITY, NOISE_COUPLED, Drafter, Verified
 from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.paged_attention import check_paged_backend
@@ -25,7 +25,10 @@ from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.shadow import Shadow, shadowable
 from specrun.decoding.stats import GenStats
-from specrun.decoding.trie import DraftContext, Trie, build_trie, drafted_mass, walk
+from specrun.decoding.trie import Trie, build_trie, coupled, drafted_mass, walk
+
+
+LEARN_EVERY_AR = 4  # plain AR steps per recycling update (a matrix row is "last seen", so sampling it loses little)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class _Active:
     stats: GenStats
     heads: BatchedSelfDrafter | None = None  # its self-drafter, which the batch's draft forward feeds
     trie: Trie | None = None  # this step's
-    shadow: Shadow | None = None  # its full-width trie drafted at a plain AR step, for the tuner
+    shadow: Shadow | None = None  # its full-width trie drafted at a narrower step, for the tuner
     done: str | None = None  # finish reason once finished (or "stopped" by the caller)
 
 
@@ -62,7 +65,8 @@ class BatchEngine:
     def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
                  heads: DraftHeads | None = None):
         heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
-        names = config.active_drafters(heads is not None)
+        self.recurrent = config.recurrent_weights(lm)
+        names = config.active_drafters(heads is not None, self.recurrent is not None)
         self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
@@ -72,9 +76,11 @@ class BatchEngine:
         # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
+        self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
+        self._steps = 0  # batched steps so far
 
     # -- admission --------------------------------------------------------------------------------------------------
     def admit(self, key, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()) -> bool:
@@ -88,7 +94,8 @@ class BatchEngine:
         if pages is None:
             return False
         drafters = [make_drafter(n, self.config, self.heads, self.runner.lm_head, self.recycling,
-                                 lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv)) for n in self.names]
+                                 lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv), self.recurrent)
+                    for n in self.names]
         known = st.known
         for d in drafters:
             d.start(known)
@@ -116,11 +123,13 @@ class BatchEngine:
             drafting = [a for a in live if a.heads is not None] if budget > 1 else []
             if drafting:  # one self-draft forward for all: each root over its own partial cache
                 draft_batch(self.runner, self.heads, [(a.pages, a.heads, a.st.root, a.st.n - 1) for a in drafting])
+            full = self.config.trie_budget
             for a in live:
-                a.trie = build_trie(a.st.root, self._draft(a, budget), budget, self.lm.device)
-                if budget == 1 and a.shadow is not None and a.shadow.due():  # what a full trie would accept
-                    full = self.config.trie_budget
-                    a.shadow.take(build_trie(a.st.root, self._draft(a, full), full, self.lm.device), len(a.st.out))
+                shadowing = a.shadow is not None and budget < full and a.shadow.due()  # what a full trie would accept
+                drafts = self._draft(a, full if shadowing else budget)
+                a.trie = build_trie(a.st.root, drafts, budget, self.lm.device)  # a full trie's first `budget` nodes
+                if shadowing:
+                    a.shadow.take(build_trie(a.st.root, drafts, full, self.lm.device), len(a.st.out))
             t_draft = time.perf_counter() - t
             t = time.perf_counter()
             hidden, logits = self._verify(live)
@@ -132,8 +141,11 @@ class BatchEngine:
                     a.heads.see_queries(self.runner.queries, offset)
                 offset += a.trie.size
                 accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
-            if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
+            # the shared matrix learns every sequence's nodes at once, in their order; at plain AR steps (only roots,
+            # a top-k over the whole vocabulary per sequence, while drafts are not paying) from every LEARN_EVERY_AR-th
+            if self.recycling is not None and (budget > 1 or self._steps % LEARN_EVERY_AR == 0):
                 self.recycling.learn(torch.cat([a.trie.tokens for a in live]), logits)
+            self._steps += 1
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
                 tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
                 shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]
@@ -176,7 +188,7 @@ class BatchEngine:
     def _draft(self, a: _Active, budget: int) -> list:
         if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted
             return []
-        ctx = DraftContext(a.st.root, a.st.n - 1)
+        ctx = a.st.draft_context(budget)
         proposals = [d.propose(ctx, i) for i, d in enumerate(a.drafters)]
         return [d for i in self._merge_order for d in proposals[i]]
 
@@ -193,7 +205,7 @@ class BatchEngine:
         with a.stats.time("walk"):
             choice, processed = st.choose(trie, logits)
             path = walk(trie, choice)
-            if not st.params.greedy and trie.size > 1:
+            if not st.params.greedy and trie.size > 1 and not coupled(trie, self._coupled):  # as the solo engine
                 a.stats.record_acceptance(*drafted_mass(trie, processed, path))
             emitted = st.stop_rules(choice[path].tolist())
             nodes = path.tolist()

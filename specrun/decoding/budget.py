@@ -81,10 +81,13 @@ class BudgetTuner:
     def observe_batch(self, used: int, paths: list[list[int]], seconds: float) -> None:
         """One step of several sequences (each its own trie of width `used`): their mean acceptance is one
         observation, so a batch moves the estimate as much as one sequence's step does."""
-        # a width wider than `used` would have accepted at least this path: a lower bound, taken as an observation
-        # except from a plain AR step, which drafted nothing (its bound of 1 token would wear every estimate down to 1
-        # while AR wins, and a hit found by an exploring step could then never lift width 2 above it again)
-        self._observe_accepted(used, paths, self.widths if used > 1 else self.widths[:1])
+        # nodes are in priority order, so the step tells exactly what every width up to `used` accepts; of wider
+        # widths only a lower bound, which wears their estimates down to this width's: taken while nothing better is
+        # known (it brings plain AR back fast where drafts miss), not once shadow tries measure the wider widths
+        # exactly (else a drafter whose deeper nodes pay would never be tried wider). A plain AR step drafted nothing:
+        # it says nothing of wider widths (its bound of 1 token would wear them all down to plain AR).
+        wider = self.widths if used > 1 and not self._shadowed else [w for w in self.widths if w <= used]
+        self._observe_accepted(used, paths, wider)
         if used in self._times:
             times = self._times[used]
             times.append(seconds)

@@ -14,10 +14,14 @@ from specrun.decoding.ngram import NGramPool
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.trie import Draft, DraftContext
 
-DRAFTER_NAMES = ("heads", "fused", "ngram", "recycling")  # drafting order: a head's guess keys the n-gram pool
-MERGE_PRIORITY = ("ngram", "heads", "fused", "recycling")  # trie budget order: n-grams are exact repeats, go first
+DRAFTER_NAMES = ("heads", "fused", "recurrent", "ngram", "recycling")  # drafting order: a head's guess keys n-grams
+# trie budget order: the recurrent drafter's best-first tree leads (it imitates AR's own pick, sampled text included),
+# then n-grams (exact repeats)
+MERGE_PRIORITY = ("recurrent", "ngram", "heads", "fused", "recycling")
 NEEDS_HEADS = ("heads", "fused")
-AUTO_DRAFTERS = ("heads", "ngram", "recycling")  # --draft auto; those in NEEDS_HEADS only when heads are given
+NEEDS_DRAFTER = ("recurrent",)
+NOISE_COUPLED = ("recurrent",)  # draft with AR's own Gumbel noise (their acceptance exceeds their drafted mass)  # a trained recurrent drafter (specrun train-drafter, or the one shipped for the model)
+AUTO_DRAFTERS = ("heads", "recurrent", "ngram", "recycling")  # --draft auto: those that need weights only with them
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,13 @@ import torch
 from specrun.decoding.attention import check_backend
 from specrun.decoding.budget import BudgetTuner
 from specrun.decoding.drafters import (
-    AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_HEADS, Drafter, NGramDrafter, RecyclingDrafter, Verified,
+    AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_DRAFTER, NEEDS_HEADS, NOISE_COUPLED, Drafter, NGramDrafter, RecyclingDrafter,
+    Verified,
 )
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
+from specrun.decoding.recurrent import DraftWeights, RecurrentDrafter
+from specrun.decoding.recurrent_files import builtin_drafter, load_drafter
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams
@@ -25,7 +28,7 @@ from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.shadow import Shadow, shadowable
-from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, drafted_mass, walk
+from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, coupled, drafted_mass, walk
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -41,6 +44,8 @@ class EngineConfig:
     ngram_topk: int = 20
     prefill_chunk: int = 256
     heads_path: str | None = None  # trained draft heads (specrun train-heads); enables the "heads" drafter
+    drafter_path: str | None = "auto"  # recurrent drafter dir (specrun train-drafter); auto = the one shipped for the
+    # model if any; None = none
     tree: tuple[int, ...] = (1, 3, 3, 3)  # self-draft candidates: top-k of l_0, l_1, l_2, l_3 (Cartesian)
     kv_mode: str = "dynamic"  # cache the self-draft forward reads: full | partial | dynamic
     kv_budget: int = 4096
@@ -62,22 +67,39 @@ class EngineConfig:
         check_backend(self.attention)
         TreeTemplate(self.tree)  # validates the tree spec
 
-    def active_drafters(self, have_heads: bool) -> tuple[str, ...]:
+    def active_drafters(self, have_heads: bool, have_drafter: bool = False) -> tuple[str, ...]:
         if self.drafters is None:
-            return tuple(n for n in AUTO_DRAFTERS if have_heads or n not in NEEDS_HEADS)
+            return tuple(n for n in AUTO_DRAFTERS if (have_heads or n not in NEEDS_HEADS)
+                         and (have_drafter or n not in NEEDS_DRAFTER))
         for name in self.drafters:
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
+            if name in NEEDS_DRAFTER and not have_drafter:
+                raise ValueError(f"drafter {name!r} needs a trained recurrent drafter (--drafter PATH, see specrun "
+                                 f"train-drafter); none ships for this model")
         return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed drafting order
+
+    def recurrent_weights(self, lm) -> DraftWeights | None:
+        """The recurrent drafter's weights for lm: drafter_path, or the shipped one for lm (auto), or None."""
+        if self.drafter_path is None or self.drafters == () or (
+                self.drafters is not None and not any(n in NEEDS_DRAFTER for n in self.drafters)):
+            return None
+        path = builtin_drafter(lm) if self.drafter_path == "auto" else self.drafter_path
+        if path is None:
+            return None
+        model = lm.model
+        return DraftWeights(load_drafter(path, lm), model.get_input_embeddings(), model.get_output_embeddings())
 
 
 def make_drafter(name: str, config: EngineConfig, heads: DraftHeads | None, lm_head, recycling: RecyclingMatrix | None,
-                 self_drafter: Callable[[PartialKV], Drafter]) -> Drafter:
+                 self_drafter: Callable[[PartialKV], Drafter], recurrent: DraftWeights | None = None) -> Drafter:
     """One drafter of config's; self_drafter(partial cache) builds the engine's own kind of self-drafter."""
     if name == "heads":
         return self_drafter(PartialKV(config.kv_mode, config.kv_budget, config.kv_sinks))
     if name == "fused":
         return FusedDrafter(heads, lm_head, config.tree)
+    if name == "recurrent":
+        return RecurrentDrafter(recurrent)
     return NGramDrafter(config.ngram_topk) if name == "ngram" else RecyclingDrafter(recycling)
 
 
@@ -93,16 +115,18 @@ class Engine:
         self.lm = lm
         self.config = config
         heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
-        names = config.active_drafters(heads is not None)
+        self.recurrent = config.recurrent_weights(lm)
+        names = config.active_drafters(heads is not None, self.recurrent is not None)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafters: list[Drafter] = [
             make_drafter(n, config, heads, self.runner.lm_head, self.recycling,
-                         lambda kv: SelfDrafter(self.runner, heads, config.tree, kv)) for n in names]
+                         lambda kv: SelfDrafter(self.runner, heads, config.tree, kv), self.recurrent) for n in names]
         self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
+        self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)
         self.tuner = BudgetTuner(config.trie_budget) if self.drafters and config.adaptive_budget else None
         self._shadowing = self.tuner is not None and shadowable(names)
@@ -126,23 +150,25 @@ class Engine:
         shadow = Shadow() if self._shadowing else None
         while not done:
             t_step = time.perf_counter()
-            ctx = DraftContext(st.root, st.n - 1)
             budget = self.tuner.choose() if self.tuner else self.config.trie_budget
             drafts = []
             with stats.time("draft"):
-                if budget > 1:  # a width of 1 verifies the root alone: drafting would be wasted
-                    drafts = self._drafts(ctx)
-                elif shadow is not None and shadow.due():  # what a full trie would accept, for the tuner
-                    shadow.take(build_trie(ctx.root, self._drafts(ctx), self.config.trie_budget, self.lm.device),
-                                len(st.out))
+                full = self.config.trie_budget
+                shadowing = shadow is not None and budget < full and shadow.due()  # what a full trie would accept
+                if budget > 1 or shadowing:  # a width of 1 verifies the root alone: drafting would be wasted
+                    drafts = self._drafts(st.draft_context(full if shadowing else budget))
+                if shadowing:  # the verified trie below is its first `budget` nodes
+                    shadow.take(build_trie(st.root, drafts, full, self.lm.device), len(st.out))
             with stats.time("trie"):
-                trie = build_trie(ctx.root, drafts, budget, self.lm.device)
+                trie = build_trie(st.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
                 hidden, logits = self._verify(st, trie)
             with stats.time("walk"):
                 choice, processed = st.choose(trie, logits)
                 path = walk(trie, choice)
-                if not params.greedy and trie.size > 1:  # sampled: the chance each drafted branch had, vs what happened
+                # sampled: the chance each drafted branch had, vs what happened (drafts that read AR's own noise are
+                # accepted more often than their mass by design: such tries are left out of this check)
+                if not params.greedy and trie.size > 1 and not coupled(trie, self._coupled):
                     stats.record_acceptance(*drafted_mass(trie, processed, path))
                 emitted = st.stop_rules(choice[path].tolist())
                 nodes = path.tolist()

@@ -10,7 +10,7 @@ import torch
 from specrun.decoding.penalty import PenaltyWindow
 from specrun.decoding.sampling import SamplingParams, choose, process_logits, sample
 from specrun.decoding.stops import StopMatcher
-from specrun.decoding.trie import Trie
+from specrun.decoding.trie import DraftContext, Trie
 
 
 class Sequence:
@@ -45,6 +45,11 @@ class Sequence:
         if params.uses_penalty:
             self.window = PenaltyWindow(vocab_size, params.penalty_window, device)
             self.window.reset(self.seq, self.n)
+
+    def draft_context(self, budget: int) -> DraftContext:
+        """What drafters see this step: the root at its position, the trie budget, AR's sampling rules."""
+        present = self.window.counts > 0 if self.window is not None else None
+        return DraftContext(self.root, self.n - 1, budget=budget, params=self.params, present=present)
 
     @property
     def known(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""Counterfactual acceptance while the width tuner keeps plain AR: a full-width trie drafted now, walked later.
+"""Counterfactual acceptance of wider tries: every so often a step narrower than the full width drafts a full-width
+trie, verifies only its first nodes, and keeps the whole trie to walk later.
 
 Position-keyed sampling accepts a node iff its token is the one AR emits at its position (DESIGN section 2), so walking
 the trie over the tokens AR then emits gives exactly the path its verify would have accepted, with no forward paid.
@@ -20,7 +21,7 @@ def shadowable(drafters: tuple[str, ...]) -> bool:
 
 
 class Shadow:
-    """One sequence's shadow trie in flight: take() at a plain AR step, resolve() as its tokens come in."""
+    """One sequence's shadow trie in flight: take() at a narrow step, resolve() as its tokens come in."""
 
     def __init__(self):
         self.trie: Trie | None = None
@@ -28,7 +29,7 @@ class Shadow:
         self.wait = 0  # steps until the next shadow may be taken
 
     def due(self) -> bool:
-        """Counts a plain AR step; True when a shadow trie should be drafted at this one."""
+        """Counts a step narrower than the full width; True when a shadow trie should be drafted at this one."""
         if self.trie is not None:
             return False
         self.wait -= 1

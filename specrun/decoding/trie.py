@@ -26,6 +26,9 @@ class DraftContext:
     root: int  # last committed token, K/V not yet cached
     position: int  # the root's absolute position
     guess: int | None = None
+    budget: int = 1 << 30  # most trie nodes this step (root included)
+    params: object | None = None  # the sequence's SamplingParams (drafters that imitate AR's choice read them)
+    present: torch.Tensor | None = None  # [V] bool, tokens in the committed penalty window (None: no penalty)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,11 @@ def walk(trie: Trie, choice: torch.Tensor) -> torch.Tensor:
         accepted[idx] = accepted[par] & (trie.tokens[idx] == choice[par])
     # siblings are distinct, so the accepted nodes form one chain; index order is depth order
     return accepted.nonzero().squeeze(1)
+
+
+def coupled(trie: Trie, sources: list[int]) -> bool:
+    """Does any node come from one of these drafters (those that draft with AR's own noise)?"""
+    return bool(sources) and bool(torch.isin(trie.sources, torch.tensor(sources, device=trie.sources.device)).any())
 
 
 def drafted_mass(trie: Trie, processed: torch.Tensor, path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

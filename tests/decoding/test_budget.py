@@ -131,3 +131,18 @@ def test_adaptive_width_changes_nothing_in_the_output(load_fixture):
     engine = Engine(lm, EngineConfig(trie_budget=32))
     assert engine.generate(prompt, params).token_ids == ref
     assert engine.tuner is not None and len(engine.tuner.cost) >= 2  # several widths were timed
+
+
+def test_narrow_steps_do_not_wear_down_wider_widths_that_shadows_measure():
+    """A drafter whose deeper nodes pay: steps at width 2 see at most one drafted token, shadows of the full trie see
+    three. Once shadows come in, the narrow steps' lower bound no longer drags the wider estimates down to width 2's."""
+    t = BudgetTuner(8)
+    t.observe_shadow([[1, 2, 3]])  # the full trie accepted three drafted nodes
+    for _ in range(50):
+        t.observe(2, [1], 1.0)  # width 2 accepts its one drafted node every time
+    assert t.accepted[2] == pytest.approx(2.0, abs=0.05)
+    assert t.accepted[8] > 3.0  # the prior (4) and the shadow (4 tokens), untouched by width 2's bound of 2
+    unshadowed = BudgetTuner(8)
+    for _ in range(50):
+        unshadowed.observe(2, [1], 1.0)
+    assert unshadowed.accepted[8] == pytest.approx(2.0, abs=0.05)  # without shadows the bound is all it knows

@@ -1,0 +1,142 @@
+"""Recurrent drafter (ReDrafter/EAGLE-like): s_1 = g(h, e(root)), s_{j+1} = g(s_j, e(x_j)), q_j = LM head rows(s_j).
+
+It drafts from the verify forward's hidden state (no draft forward of the target) and samples its tree with the
+same position-keyed Gumbel noise as AR (DESIGN section 3): where q is close to the target, its pick is AR's pick.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrun.decoding.sampling import SamplingParams, gumbel_at, process_logits
+from specrun.decoding.trie import Draft, DraftContext
+
+DEFAULT_SHAPE = (4, 2, 2, 1, 1)  # children per node at depths 1..5 (60 nodes); nodes are ordered best-first
+
+
+class RecurrentDraft(nn.Module):
+    """g(s, e) = s + down(silu(up([norm_s(s), norm_e(e)]))); vocab_ids: the tokens it drafts (a frequent subset).
+
+    Untrained (down = 0) it repeats the target's state, so every level guesses with the root's own l_0.
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, vocab_ids: torch.Tensor, eps: float = 1e-6):
+        super().__init__()
+        if hidden_size < 1 or ffn_size < 1:
+            raise ValueError(f"hidden_size and ffn_size must be >= 1, got {hidden_size}, {ffn_size}")
+        if vocab_ids.dim() != 1 or vocab_ids.numel() < 1:
+            raise ValueError(f"vocab_ids must be a non-empty 1-D tensor, got shape {tuple(vocab_ids.shape)}")
+        self.hidden_size, self.ffn_size, self.eps = int(hidden_size), int(ffn_size), float(eps)
+        self.norm_s = nn.RMSNorm(hidden_size, eps=eps)
+        self.norm_e = nn.RMSNorm(hidden_size, eps=eps)
+        self.up = nn.Linear(2 * hidden_size, ffn_size, bias=False)
+        self.down = nn.Linear(ffn_size, hidden_size, bias=False)
+        nn.init.zeros_(self.down.weight)
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.long).clone())
+
+    def forward(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """# s: [..., H] state (s_0 = the target's post-norm hidden), e: [..., H] next token's embedding -> [..., H]"""
+        return s + self.down(F.silu(self.up(torch.cat([self.norm_s(s), self.norm_e(e)], dim=-1))))
+
+    def config(self) -> dict:
+        return {"hidden_size": self.hidden_size, "ffn_size": self.ffn_size, "eps": self.eps,
+                "n_vocab": int(self.vocab_ids.numel())}
+
+
+class DraftWeights:
+    """What drafting reads, prepared once per model: the drafter, the embedding, and the LM head rows of its vocab."""
+
+    def __init__(self, drafter: RecurrentDraft, embed: nn.Module, lm_head: nn.Module):
+        self.drafter, self.embed = drafter, embed
+        self.vocab_ids = drafter.vocab_ids  # [N]
+        self.head_w = lm_head.weight.detach()[self.vocab_ids].contiguous()  # [N, H]: one small GEMV per level
+
+    @torch.inference_mode()
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        """# s: [R, H] -> [R, N] float32 logits over vocab_ids"""
+        return F.linear(s.to(self.head_w.dtype), self.head_w).float()
+
+
+def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present: torch.Tensor | None,
+               position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's guess of AR's scores at `position`: AR's processing (penalty from the committed window), then the
+    position's own Gumbel noise when sampling; and the chance it gives each token of being AR's pick.
+    # s: [R, H], present: [V] bool or None -> scores [R, N] (-inf = dropped), probs [R, N]"""
+    z = w.logits(s)
+    pres = present[w.vocab_ids][None].expand_as(z) if present is not None else None
+    scores = process_logits(z, pres, params)
+    if not params.greedy:
+        pos = torch.full_like(w.vocab_ids, position)
+        scores = scores + gumbel_at(params.seed, pos, w.vocab_ids).to(scores.dtype)[None]
+    # with the noise in, softmax(scores) estimates how likely each token is AR's own pick: AR's scores are the
+    # drafter's plus its error, so the coupled argmax is the likeliest by far where the drafter is close
+    return scores, scores.softmax(dim=-1)
+
+
+@torch.inference_mode()
+def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, params: SamplingParams,
+               present: torch.Tensor | None, shape: tuple[int, ...], max_nodes: int) -> tuple[list[int], list[int]]:
+    """A tree under the root: at depth d each node's children are its top shape[d-1] guesses of AR's token at
+    position+d. Nodes come best-first (by the drafter's probability of the whole path), at most max_nodes.
+
+    # h: [H] the target's hidden state that chose the root -> (tokens, parents) with the root first (parent -1)
+    """
+    depth = min(len(shape), max_nodes)
+    if depth < 1:
+        return [root], [-1]
+    s = h[None].to(w.drafter.up.weight.dtype)  # [R, H], R = frontier rows
+    x = torch.tensor([root], dtype=torch.long, device=h.device)  # [R] the frontier's tokens
+    mass, parents, tokens = [1.0], [-1], [root]  # mass: the drafter's probability of the node's whole path
+    frontier = [0]  # node index of each frontier row
+    for d in range(1, depth + 1):
+        s = w.drafter(s, w.embed(x).to(s.dtype))  # [R, H]
+        scores, probs = _processed(w, s, params, present, position + d)  # [R, N] each
+        k = min(shape[d - 1], scores.shape[1])
+        val, idx = torch.topk(scores, k, dim=-1)  # [R, k]
+        keep = (val > float("-inf")).flatten().nonzero().squeeze(1)  # [C] children that truncation allows
+        if keep.numel() == 0:
+            break
+        x = w.vocab_ids[idx.flatten()[keep]]  # [C] the next frontier's tokens
+        rows = keep // k
+        s = s[rows]
+        p_child = probs[rows, idx.flatten()[keep]].tolist()
+        nxt = []
+        for j, tok, pc in zip(keep.tolist(), x.tolist(), p_child):
+            p = frontier[j // k]
+            mass.append(mass[p] * pc)
+            parents.append(p)
+            tokens.append(tok)
+            nxt.append(len(tokens) - 1)
+        frontier = nxt
+    # a child's mass never exceeds its parent's, and ties keep creation order: parents stay before children
+    order = sorted(range(1, len(tokens)), key=lambda i: -mass[i])[:max_nodes]
+    new = {0: 0, **{old: i + 1 for i, old in enumerate(order)}}
+    return [root, *(tokens[i] for i in order)], [-1, *(new[parents[i]] for i in order)]
+
+
+class RecurrentDrafter:
+    """One sequence's recurrent drafter: reads the hidden state of the verify node that chose the root."""
+
+    name = "recurrent"
+
+    def __init__(self, weights: DraftWeights, shape: tuple[int, ...] = DEFAULT_SHAPE):
+        self.weights, self.shape = weights, shape
+        self._h: torch.Tensor | None = None  # [H]
+
+    def start(self, seq: list[int]) -> None:
+        self._h = None  # prefill keeps no hidden state: the first step drafts nothing
+
+    def observe(self, v) -> None:
+        self._h = v.hidden[v.last]
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        if self._h is None or ctx.params is None:
+            return []
+        tokens, parents = draft_tree(self.weights, self._h, ctx.root, ctx.position, ctx.params, ctx.present,
+                                     self.shape, ctx.budget - 1)
+        return [Draft(tokens, parents, source)] if len(tokens) > 1 else []

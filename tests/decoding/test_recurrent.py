@@ -1,0 +1,103 @@
+"""Recurrent drafter: noise-coupled drafting picks AR's token, trained drafts are accepted, output stays AR's (I1)."""
+
+import json
+
+import pytest
+import torch
+
+from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.recurrent import DraftWeights, RecurrentDraft, _processed, draft_tree
+from specrun.decoding.recurrent_files import builtin_drafter, load_drafter, model_signature, save_drafter
+from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.sequence import Sequence
+from specrun.decoding.trie import build_trie
+from specrun.train.recurrent import fit_recurrent
+
+SAMPLED = SamplingParams(max_tokens=300, temperature=0.8, min_p=0.05, penalty=1.3, penalty_window=64, seed=11,
+                         ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lm(load_fixture):
+    return load_fixture("llama_gqa", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def trained(lm, tmp_path_factory):
+    """A drafter trained on the tiny model's own sampled text, saved and loaded back."""
+    prompt = lm.tokenizer.encode("the cat sat on the mat")
+    ar = Engine(lm, EngineConfig(drafters=()))
+    docs = [lm.tokenizer.decode(ar.generate(prompt, SamplingParams(max_tokens=400, temperature=0.8, seed=s,
+                                                                    ignore_eos=True)).token_ids) for s in range(6)]
+    data = tmp_path_factory.mktemp("drafter-data") / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    drafter, metrics = fit_recurrent(lm, [data], seq_len=128, steps=150, batch_size=4, lr=3e-3, warmup=10,
+                                     depth=3, ffn_size=64, n_vocab=200, heldout_fraction=0.2)
+    out = save_drafter(drafter, tmp_path_factory.mktemp("drafter"), lm, metrics)
+    return str(out), metrics
+
+
+def test_training_lowers_the_heldout_loss(trained):
+    _, m = trained
+    assert m["heldout_loss"] < m["heldout_loss_untrained"], m
+    assert 0 < m["vocab_coverage_heldout"] <= 1
+
+
+def test_coupled_scores_pick_the_token_ar_samples(lm):
+    """Given the target's own hidden state, the drafter's scoring (processing + the position's Gumbel row) picks
+    exactly AR's sampled token: drafting shares AR's noise."""
+    prompt = lm.tokenizer.encode("a b c d e f")
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, penalty=1.4, penalty_window=8, seed=5,
+                            ignore_eos=True)
+    eng = Engine(lm, EngineConfig(drafters=()))
+    out = eng.generate(prompt, params).token_ids
+    every = torch.arange(eng.vocab_size)
+    w = DraftWeights(RecurrentDraft(8, 8, every), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
+    for k in (0, 7, 23):  # the state after prompt + out[:k]: choose out[k]
+        st = Sequence(prompt, params, out[:k], vocab_size=eng.vocab_size, eos_ids=lm.eos_ids, tokenizer=lm.tokenizer,
+                      max_context=lm.max_context, spare=1, device=lm.device)
+        eng.runner.reset(st.capacity)
+        eng.runner.prefill(st.seq[: st.n - 1], 256)
+        trie = build_trie(st.root, [], 1, lm.device)
+        h = eng.runner.forward(trie.tokens, trie.depths + st.n - 1, trie.ancestors)  # [1, H]
+        ctx = st.draft_context(2)
+        scores, _ = _processed(w, h, params, ctx.present, ctx.position + 1)
+        assert int(scores.argmax()) == out[k] == int(st.choose(trie, eng.runner.logits(h))[0][0])
+
+
+def test_draft_tree_is_best_first_and_within_budget(lm, trained):
+    w = DraftWeights(load_drafter(trained[0], lm), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
+    h = torch.randn(lm.model.config.hidden_size)
+    for n in (1, 3, 10, 100):
+        tokens, parents = draft_tree(w, h, 5, 7, SAMPLED, None, (3, 2, 1), n)
+        assert len(tokens) - 1 == min(n, 3 + 6 + 6) and parents[0] == -1
+        assert all(0 <= p < i for i, p in enumerate(parents) if i)  # parents come first
+        assert parents[1] == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=300, ignore_eos=True), SAMPLED], ids=["greedy", "sampled"])
+def test_recurrent_drafting_is_lossless_and_accepted(lm, trained, params):
+    prompt = lm.tokenizer.encode("the cat sat on the mat")
+    ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, params)
+    res = Engine(lm, EngineConfig(drafters=("recurrent",), drafter_path=trained[0], adaptive_budget=False,
+                                  trie_budget=16)).generate(prompt, params)
+    assert res.token_ids == ar.token_ids
+    assert res.stats["tokens_by_drafter"].get("recurrent", 0) > 30, res.stats
+    batch = BatchEngine(lm, EngineConfig(drafters=("recurrent", "ngram"), drafter_path=trained[0]),
+                        BatchConfig(concurrency=2, kv_tokens=2000, page_size=1))
+    other = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
+    got = batch.run([(0, prompt, params, []), (1, prompt[:3], other, [])])
+    assert got[0].token_ids == ar.token_ids
+    assert got[1].token_ids == Engine(lm, EngineConfig(drafters=())).generate(prompt[:3], other).token_ids
+
+
+def test_drafter_files_refuse_another_model(lm, trained, load_fixture):
+    other = load_fixture("qwen2", dtype="float32")
+    assert model_signature(other) != model_signature(lm)
+    with pytest.raises(ValueError, match="another model"):
+        load_drafter(trained[0], other)
+    with pytest.raises(ValueError, match="needs a trained recurrent drafter"):
+        Engine(other, EngineConfig(drafters=("recurrent",)))
+    assert builtin_drafter(lm) is None  # nothing ships for a tiny random model: auto drafts without it
+    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == ["ngram", "recycling"]
