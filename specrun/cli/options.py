@@ -97,9 +97,11 @@ def parse_drafter(value: str | None) -> str | None:
         return None
     if value.strip().lower() == "auto":
         return "auto"
-    if not Path(value).expanduser().is_dir():
-        raise click.BadParameter(f"{value!r} is not a drafter directory (or auto, none)", param_hint="--drafter")
-    return str(Path(value).expanduser())
+    path = Path(value).expanduser().resolve()  # jobs store it: a resume from elsewhere must find it
+    if not (path / "drafter.json").is_file():
+        raise click.BadParameter(f"{value!r} is not a drafter directory (no drafter.json: see specrun train-drafter) "
+                                 f"nor auto or none", param_hint="--drafter")
+    return str(path)
 
 
 def parse_tree(value: str) -> tuple[int, ...]:
@@ -132,7 +134,7 @@ def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> 
     replace base's values (`specrun resume`)."""
     fields = dict(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
                   adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"],
-                  drafter_path=parse_drafter(kw.get("drafter_path", "auto")), tree=parse_tree(kw["tree"]),
+                  drafter_path=parse_drafter(kw["drafter_path"]), tree=parse_tree(kw["tree"]),
                   kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"])
     try:
         if base is None:

@@ -80,7 +80,7 @@ class BatchEngine:
         self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
-        self._steps = 0  # batched steps so far
+        self._ar_steps = 0  # batched plain AR steps so far
 
     # -- admission --------------------------------------------------------------------------------------------------
     def admit(self, key, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()) -> bool:
@@ -143,9 +143,9 @@ class BatchEngine:
                 accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
             # the shared matrix learns every sequence's nodes at once, in their order; at plain AR steps (only roots,
             # a top-k over the whole vocabulary per sequence, while drafts are not paying) from every LEARN_EVERY_AR-th
-            if self.recycling is not None and (budget > 1 or self._steps % LEARN_EVERY_AR == 0):
+            if self.recycling is not None and (budget > 1 or self._ar_steps % LEARN_EVERY_AR == 0):
                 self.recycling.learn(torch.cat([a.trie.tokens for a in live]), logits)
-            self._steps += 1
+            self._ar_steps += budget == 1
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
                 tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
                 shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]
@@ -188,7 +188,7 @@ class BatchEngine:
     def _draft(self, a: _Active, budget: int) -> list:
         if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted
             return []
-        ctx = a.st.draft_context(budget)
+        ctx = a.st.draft_context(budget, bool(self._coupled))
         proposals = [d.propose(ctx, i) for i, d in enumerate(a.drafters)]
         return [d for i in self._merge_order for d in proposals[i]]
 

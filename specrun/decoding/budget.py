@@ -12,7 +12,7 @@ from collections import deque
 EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
 EXPLORE_EVERY_AR = 64  # while width 1 (plain AR) wins: the first gap to a wider step, doubled after each one that
 EXPLORE_MAX_AR = 128  # ... loses, up to this (sampled text: drafts keep missing); width 1 this often while drafting wins
-EXPLORE_MAX_SHADOWED = 1024  # the cap once shadow tries (shadow.py) measure acceptance at AR steps (exploring then
+EXPLORE_MAX_SHADOWED = 1024  # the cap once shadow tries (shadow.py) measure the wider widths' acceptance (exploring then
 # only re-times the wider widths' costs)
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
@@ -94,7 +94,7 @@ class BudgetTuner:
             self.cost[used] = min(times)
 
     def observe_shadow(self, paths: list[list[int]]) -> None:
-        """Accepted paths of full-width tries that plain AR steps did not verify (shadow.py), one observation: exact
+        """Accepted paths of full-width tries that narrower steps verified only in part (shadow.py), one observation: exact
         acceptance for every wider width, at no cost to time."""
         self._observe_accepted(self.widths[-1], paths, self.widths[1:])
         self._shadowed = True

@@ -75,8 +75,9 @@ class EngineConfig:
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
             if name in NEEDS_DRAFTER and not have_drafter:
-                raise ValueError(f"drafter {name!r} needs a trained recurrent drafter (--drafter PATH, see specrun "
-                                 f"train-drafter); none ships for this model")
+                why = "--drafter none was given" if self.drafter_path is None else "none ships for this model"
+                raise ValueError(f"drafter {name!r} needs a trained recurrent drafter (--drafter DIR, see specrun "
+                                 f"train-drafter); {why}")
         return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed drafting order
 
     def recurrent_weights(self, lm) -> DraftWeights | None:
@@ -156,7 +157,7 @@ class Engine:
                 full = self.config.trie_budget
                 shadowing = shadow is not None and budget < full and shadow.due()  # what a full trie would accept
                 if budget > 1 or shadowing:  # a width of 1 verifies the root alone: drafting would be wasted
-                    drafts = self._drafts(st.draft_context(full if shadowing else budget))
+                    drafts = self._drafts(st.draft_context(full if shadowing else budget, bool(self._coupled)))
                 if shadowing:  # the verified trie below is its first `budget` nodes
                     shadow.take(build_trie(st.root, drafts, full, self.lm.device), len(st.out))
             with stats.time("trie"):

@@ -72,7 +72,7 @@ def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present
         scores = scores + gumbel_at(params.seed, pos, w.vocab_ids).to(scores.dtype)[None]
     # with the noise in, softmax(scores) estimates how likely each token is AR's own pick: AR's scores are the
     # drafter's plus its error, so the coupled argmax is the likeliest by far where the drafter is close
-    return scores, scores.softmax(dim=-1)
+    return scores, scores.softmax(dim=-1).nan_to_num(0.0)  # (a NaN would break the best-first order)
 
 
 @torch.inference_mode()

@@ -91,7 +91,7 @@ def load_drafter(path, lm) -> RecurrentDraft:
     try:
         state = load_file(str(d / WEIGHTS_FILE))
         drafter = RecurrentDraft(int(meta["hidden_size"]), int(meta["ffn_size"]), state["vocab_ids"],
-                                 eps=float(meta.get("eps", 1e-6)))
+                                 eps=float(meta["eps"]))
         drafter.load_state_dict(state, strict=True)
     except Exception as e:  # header errors, missing keys, wrong shapes
         raise ValueError(f"drafter at {str(d)!r}: {WEIGHTS_FILE} does not match {CONFIG_FILE}: {e}") from e

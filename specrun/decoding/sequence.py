@@ -46,9 +46,10 @@ class Sequence:
             self.window = PenaltyWindow(vocab_size, params.penalty_window, device)
             self.window.reset(self.seq, self.n)
 
-    def draft_context(self, budget: int) -> DraftContext:
-        """What drafters see this step: the root at its position, the trie budget, AR's sampling rules."""
-        present = self.window.counts > 0 if self.window is not None else None
+    def draft_context(self, budget: int, with_present: bool = False) -> DraftContext:
+        """What drafters see this step: the root at its position, the trie budget, AR's sampling rules, and (for
+        drafters that imitate AR's processing) the committed penalty window's tokens."""
+        present = self.window.counts > 0 if self.window is not None and with_present else None
         return DraftContext(self.root, self.n - 1, budget=budget, params=self.params, present=present)
 
     @property

@@ -63,13 +63,15 @@ def fit_recurrent(lm, data_files: Sequence, *, seq_len: int = 512, steps: int = 
                   depth: int = 4, ffn_size: int = 1152, n_vocab: int = 8192, seed: int = 0,
                   progress: ProgressFn | None = None) -> tuple[RecurrentDraft, dict]:
     """Train a RecurrentDraft on the frozen lm -> (drafter in float32, metrics). Deterministic in seed (same threads)."""
-    for name, value, ok in (("--seq-len", seq_len, seq_len > depth + 1), ("--steps", steps, steps >= 1),
-                            ("--lr", lr, lr > 0), ("--batch-size", batch_size, batch_size >= 1),
-                            ("--depth", depth, depth >= 1), ("--ffn-size", ffn_size, ffn_size >= 1),
-                            ("--vocab", n_vocab, n_vocab >= 1), ("--warmup", warmup, warmup >= 0),
-                            ("--heldout-fraction", heldout_fraction, 0 < heldout_fraction < 1)):
+    for name, value, ok, want in (
+            ("--seq-len", seq_len, seq_len > depth + 1, f"an integer > {depth + 1} (--depth + 1)"),
+            ("--steps", steps, steps >= 1, "an integer >= 1"), ("--lr", lr, lr > 0, "> 0"),
+            ("--batch-size", batch_size, batch_size >= 1, "an integer >= 1"),
+            ("--depth", depth, depth >= 1, "an integer >= 1"), ("--ffn-size", ffn_size, ffn_size >= 1, "an integer >= 1"),
+            ("--vocab", n_vocab, n_vocab >= 1, "an integer >= 1"), ("--warmup", warmup, warmup >= 0, "an integer >= 0"),
+            ("--heldout-fraction", heldout_fraction, 0 < heldout_fraction < 1, "in (0, 1)")):
         if not ok:
-            raise ValueError(f"{name} {value!r} is invalid")
+            raise ValueError(f"{name} {value!r} is invalid: expected {want}")
     if seq_len > lm.max_context:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's context length {lm.max_context}")
     t0 = time.monotonic()
@@ -79,11 +81,12 @@ def fit_recurrent(lm, data_files: Sequence, *, seq_len: int = 512, steps: int = 
     train_idx, held_idx = _split(seqs.shape[0], heldout_fraction, seed)
     vocab_ids = frequent_vocab(seqs[train_idx], n_vocab, vocab)
     coverage = float(torch.isin(seqs[held_idx], vocab_ids).float().mean())
-    feats = cache_hidden(lm, seqs)  # [S, T, H]
+    feats = cache_hidden(lm, seqs)  # [S, T, H] on the CPU: batches move to the model's device as they are used
+    dev = lm.device
     embed_w = lm.model.get_input_embeddings().weight.detach().float()
-    head_w = lm.model.get_output_embeddings().weight.detach()[vocab_ids].float()
+    head_w = lm.model.get_output_embeddings().weight.detach()[vocab_ids.to(dev)].float()
     torch.manual_seed(seed)
-    drafter = RecurrentDraft(hidden, ffn_size, vocab_ids)
+    drafter = RecurrentDraft(hidden, ffn_size, vocab_ids).to(dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, warmup))
     order = _batches(train_idx, batch_size, steps, seed)
@@ -94,7 +97,7 @@ def fit_recurrent(lm, data_files: Sequence, *, seq_len: int = 512, steps: int = 
         cur_lr = opt.param_groups[0]["lr"]
         opt.zero_grad(set_to_none=True)
         with _amp(lm):
-            out, _ = unrolled_loss(drafter, feats[idx].float(), seqs[idx], embed_w, head_w, depth)
+            out, _ = unrolled_loss(drafter, feats[idx].to(dev).float(), seqs[idx].to(dev), embed_w, head_w, depth)
         out.backward()
         opt.step()
         sched.step()
@@ -125,8 +128,9 @@ def _evaluate(drafter, feats, seqs, embed_w, head_w, depth, batch_size) -> dict:
     """Held-out loss and per-level top-1 agreement, in float32."""
     losses, agrees = [], []
     for i in range(0, seqs.shape[0], batch_size):
-        loss, agree = unrolled_loss(drafter, feats[i:i + batch_size].float(), seqs[i:i + batch_size], embed_w,
-                                    head_w, depth)
+        dev = head_w.device
+        loss, agree = unrolled_loss(drafter, feats[i:i + batch_size].to(dev).float(), seqs[i:i + batch_size].to(dev),
+                                    embed_w, head_w, depth)
         losses.append(float(loss))
         agrees.append(agree)
     return {"loss": sum(losses) / len(losses), "agree": [sum(a[j] for a in agrees) / len(agrees) for j in range(depth)]}

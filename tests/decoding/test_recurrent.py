@@ -12,6 +12,7 @@ from specrun.decoding.recurrent_files import builtin_drafter, load_drafter, mode
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.trie import build_trie
+from specrun.train.heads import hidden_states
 from specrun.train.recurrent import fit_recurrent
 
 SAMPLED = SamplingParams(max_tokens=300, temperature=0.8, min_p=0.05, penalty=1.3, penalty_window=64, seed=11,
@@ -61,19 +62,48 @@ def test_coupled_scores_pick_the_token_ar_samples(lm):
         eng.runner.prefill(st.seq[: st.n - 1], 256)
         trie = build_trie(st.root, [], 1, lm.device)
         h = eng.runner.forward(trie.tokens, trie.depths + st.n - 1, trie.ancestors)  # [1, H]
-        ctx = st.draft_context(2)
+        ctx = st.draft_context(2, with_present=True)
         scores, _ = _processed(w, h, params, ctx.present, ctx.position + 1)
         assert int(scores.argmax()) == out[k] == int(st.choose(trie, eng.runner.logits(h))[0][0])
 
 
 def test_draft_tree_is_best_first_and_within_budget(lm, trained):
     w = DraftWeights(load_drafter(trained[0], lm), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
-    h = torch.randn(lm.model.config.hidden_size)
-    for n in (1, 3, 10, 100):
+    h = torch.randn(lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = draft_tree(w, h, 5, 7, SAMPLED, None, (3, 2, 1), 100)
+    assert len(full[0]) <= 1 + 3 + 6 + 6 and full[1][0] == -1
+    assert all(0 <= p < i for i, p in enumerate(full[1]) if i)  # parents come first
+    for n in (1, 3, 10):  # a narrower draft is the wider one's first nodes (shadow tries rely on it)
         tokens, parents = draft_tree(w, h, 5, 7, SAMPLED, None, (3, 2, 1), n)
-        assert len(tokens) - 1 == min(n, 3 + 6 + 6) and parents[0] == -1
-        assert all(0 <= p < i for i, p in enumerate(parents) if i)  # parents come first
-        assert parents[1] == 0
+        assert len(tokens) == min(n, len(full[0]) - 1) + 1
+        assert (tokens, parents) == (full[0][: len(tokens)], full[1][: len(tokens)])
+
+
+def test_a_drafter_that_knows_the_model_drafts_ars_own_tokens(load_fixture):
+    """A stand-in drafter that returns the model's true hidden state at every level: its noise-coupled chain is
+    exactly the tokens AR sampled, at every depth (the noise at depth d is AR's at position root + d)."""
+    lm = load_fixture("llama_gqa", dtype="float64")
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    prompt = lm.tokenizer.encode("a b c d e f")
+    out = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    seq = prompt + out
+    H = hidden_states(lm.model, torch.tensor([seq]))[0]  # [L, H]: H[i] chooses seq[i + 1]
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, at: int):
+            super().__init__()
+            self.up, self.at = torch.nn.Linear(1, 1, dtype=torch.float64), at
+
+        def forward(self, s, e):
+            self.at += 1
+            return H[self.at][None].expand(s.shape[0], -1)
+
+    w = DraftWeights(RecurrentDraft(8, 8, torch.arange(lm.vocab_size)), lm.model.get_input_embeddings(),
+                     lm.model.get_output_embeddings())
+    for root_pos in (len(prompt) - 1, len(prompt) + 9, len(prompt) + 30):
+        w.drafter = Oracle(root_pos - 1)
+        tokens, _ = draft_tree(w, H[root_pos - 1], seq[root_pos], root_pos, params, None, (1, 1, 1, 1), 4)
+        assert tokens == seq[root_pos : root_pos + 5]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=300, ignore_eos=True), SAMPLED], ids=["greedy", "sampled"])

@@ -20,9 +20,10 @@ def test_train_drafter_cli_writes_a_drafter_generate_uses(tiny_models, tmp_path)
     assert "step 6/6  loss" in res.output and "top-1 agreement with the model, per level" in res.output
     assert (out / "drafter.json").is_file() and (out / "drafter.safetensors").is_file()
     res = CliRunner().invoke(main, ["generate", "--model", model, "--prompt", "the cat", "--max-tokens", "20",
-                                    "--draft", "recurrent", "--drafter", str(out), "--json"])
+                                    "--draft", "recurrent", "--drafter", str(out), "--fixed-budget", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["stats"]["steps"] > 0
+    stats = json.loads(res.output)["stats"]
+    assert stats["mean_trie_nodes"] > 1  # the drafter drafted (with --draft none every trie is the root alone)
 
 
 def test_train_drafter_cli_refuses_bad_input(tiny_models, tmp_path):
@@ -34,5 +35,8 @@ def test_train_drafter_cli_refuses_bad_input(tiny_models, tmp_path):
     assert res.exit_code != 0 and "needs a trained recurrent drafter" in res.output
     res = CliRunner().invoke(main, ["generate", "--prompt", "x", "--drafter", str(tmp_path / "missing")])
     assert res.exit_code == 2 and "is not a drafter directory" in res.output
+    res = CliRunner().invoke(main, ["generate", "--model", tiny_models["llama_gqa"], "--prompt", "x",
+                                    "--draft", "recurrent", "--drafter", "none"])
+    assert res.exit_code != 0 and "--drafter none was given" in res.output
     res = CliRunner().invoke(main, ["train-drafter", "--help"])
     assert res.exit_code == 0 and "Examples:" in res.output and "--vocab" in res.output
