@@ -59,8 +59,13 @@ class DraftWeights:
         return F.linear(s.to(self.head_w.dtype), self.head_w).float()
 
 
+def noise_row(w: DraftWeights, seed: int, position: int) -> torch.Tensor:
+    """AR's Gumbel noise at `position` for the drafter's vocabulary. -> [N] float32"""
+    return gumbel_at(seed, torch.full_like(w.vocab_ids, position), w.vocab_ids).float()
+
+
 def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present: torch.Tensor | None,
-               position: int) -> tuple[torch.Tensor, torch.Tensor]:
+               position: int, noise=noise_row) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's guess of AR's scores at `position`: AR's processing (penalty from the committed window), then the
     position's own Gumbel noise when sampling; and the chance it gives each token of being AR's pick.
     # s: [R, H], present: [V] bool or None -> scores [R, N] (-inf = dropped), probs [R, N]"""
@@ -68,8 +73,7 @@ def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present
     pres = present[w.vocab_ids][None].expand_as(z) if present is not None else None
     scores = process_logits(z, pres, params)
     if not params.greedy:
-        pos = torch.full_like(w.vocab_ids, position)
-        scores = scores + gumbel_at(params.seed, pos, w.vocab_ids).to(scores.dtype)[None]
+        scores = scores + noise(w, params.seed, position).to(scores.dtype)[None]
     # with the noise in, softmax(scores) estimates how likely each token is AR's own pick: AR's scores are the
     # drafter's plus its error, so the coupled argmax is the likeliest by far where the drafter is close
     return scores, scores.softmax(dim=-1).nan_to_num(0.0)  # (a NaN would break the best-first order)
@@ -77,7 +81,8 @@ def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present
 
 @torch.inference_mode()
 def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, params: SamplingParams,
-               present: torch.Tensor | None, shape: tuple[int, ...], max_nodes: int) -> tuple[list[int], list[int]]:
+               present: torch.Tensor | None, shape: tuple[int, ...], max_nodes: int,
+               noise=noise_row) -> tuple[list[int], list[int]]:
     """A tree under the root: at depth d each node's children are its top shape[d-1] guesses of AR's token at
     position+d. Nodes come best-first (by the drafter's probability of the whole path), at most max_nodes.
 
@@ -92,7 +97,7 @@ def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, param
     frontier = [0]  # node index of each frontier row
     for d in range(1, depth + 1):
         s = w.drafter(s, w.embed(x).to(s.dtype))  # [R, H]
-        scores, probs = _processed(w, s, params, present, position + d)  # [R, N] each
+        scores, probs = _processed(w, s, params, present, position + d, noise)  # [R, N] each
         k = min(shape[d - 1], scores.shape[1])
         val, idx = torch.topk(scores, k, dim=-1)  # [R, k]
         keep = (val > float("-inf")).flatten().nonzero().squeeze(1)  # [C] children that truncation allows
@@ -124,9 +129,17 @@ class RecurrentDrafter:
     def __init__(self, weights: DraftWeights, shape: tuple[int, ...] = DEFAULT_SHAPE):
         self.weights, self.shape = weights, shape
         self._h: torch.Tensor | None = None  # [H]
+        self._noise: dict[int, torch.Tensor] = {}  # position -> its noise row: each is drafted at several steps
 
     def start(self, seq: list[int]) -> None:
         self._h = None  # prefill keeps no hidden state: the first step drafts nothing
+        self._noise.clear()
+
+    def _noise_row(self, w: DraftWeights, seed: int, position: int) -> torch.Tensor:
+        row = self._noise.get(position)
+        if row is None:
+            row = self._noise[position] = noise_row(w, seed, position)
+        return row
 
     def observe(self, v) -> None:
         self._h = v.hidden[v.last]
@@ -137,6 +150,8 @@ class RecurrentDrafter:
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
         if self._h is None or ctx.params is None:
             return []
+        for p in [p for p in self._noise if p <= ctx.position]:  # positions behind the root are never drafted again
+            del self._noise[p]
         tokens, parents = draft_tree(self.weights, self._h, ctx.root, ctx.position, ctx.params, ctx.present,
-                                     self.shape, ctx.budget - 1)
+                                     self.shape, ctx.budget - 1, self._noise_row)
         return [Draft(tokens, parents, source)] if len(tokens) > 1 else []
