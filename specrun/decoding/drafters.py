@@ -19,8 +19,8 @@ DRAFTER_NAMES = ("heads", "fused", "recurrent", "ngram", "recycling")  # draftin
 # then n-grams (exact repeats)
 MERGE_PRIORITY = ("recurrent", "ngram", "heads", "fused", "recycling")
 NEEDS_HEADS = ("heads", "fused")
-NEEDS_DRAFTER = ("recurrent",)
-NOISE_COUPLED = ("recurrent",)  # draft with AR's own Gumbel noise (accepted beyond their drafted probability mass)  # a trained recurrent drafter (specrun train-drafter, or the one shipped for the model)
+NEEDS_DRAFTER = ("recurrent",)  # a trained recurrent drafter (specrun train-drafter, or the one shipped for the model)
+NOISE_COUPLED = ("recurrent",)  # draft with AR's own Gumbel noise (accepted beyond their drafted probability mass)
 AUTO_DRAFTERS = ("heads", "recurrent", "ngram", "recycling")  # --draft auto: those that need weights only with them
 
 

@@ -82,14 +82,21 @@ class EngineConfig:
 
     def recurrent_weights(self, lm) -> DraftWeights | None:
         """The recurrent drafter's weights for lm: drafter_path, or the shipped one for lm (auto), or None."""
-        if self.drafter_path is None or self.drafters == () or (
-                self.drafters is not None and not any(n in NEEDS_DRAFTER for n in self.drafters)):
+        if self.drafter_path is None or (self.drafters is not None and not set(NEEDS_DRAFTER) & set(self.drafters)):
             return None
         path = builtin_drafter(lm) if self.drafter_path == "auto" else self.drafter_path
         if path is None:
             return None
         model = lm.model
         return DraftWeights(load_drafter(path, lm), model.get_input_embeddings(), model.get_output_embeddings())
+
+
+def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None
+                     ) -> tuple[DraftHeads | None, DraftWeights | None, tuple[str, ...]]:
+    """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path."""
+    heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
+    recurrent = config.recurrent_weights(lm)
+    return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None)
 
 
 def make_drafter(name: str, config: EngineConfig, heads: DraftHeads | None, lm_head, recycling: RecyclingMatrix | None,
@@ -115,9 +122,7 @@ class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), heads: DraftHeads | None = None):
         self.lm = lm
         self.config = config
-        heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
-        self.recurrent = config.recurrent_weights(lm)
-        names = config.active_drafters(heads is not None, self.recurrent is not None)
+        heads, self.recurrent, names = resolve_drafting(config, lm, heads)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None

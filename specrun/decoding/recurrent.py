@@ -103,10 +103,11 @@ def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, param
         keep = (val > float("-inf")).flatten().nonzero().squeeze(1)  # [C] children that truncation allows
         if keep.numel() == 0:
             break
-        x = w.vocab_ids[idx.flatten()[keep]]  # [C] the next frontier's tokens
+        cols = idx.flatten()[keep]  # [C] the kept children's columns in the drafter's vocabulary
+        x = w.vocab_ids[cols]  # [C] the next frontier's tokens
         rows = keep // k
         s = s[rows]
-        p_child = probs[rows, idx.flatten()[keep]].tolist()
+        p_child = probs[rows, cols].tolist()
         nxt = []
         for j, tok, pc in zip(keep.tolist(), x.tolist(), p_child):
             p = frontier[j // k]
