@@ -162,6 +162,14 @@ def annotate_divergences(report: dict, measurements: list[Measurement], check) -
     report["lossless"] = all(mm["near_tie"] for mm in report["mismatches"])
 
 
+def add_roofline(report: dict, roof: dict) -> None:
+    """report["roofline"]: the step's bytes and measured bandwidth (roofline.roofline), and each AR run's share of it."""
+    from specrun.bench.roofline import share
+
+    shares = {f"{r['name']}_share": share(roof, r["tokens_per_s"]) for r in report["runs"] if r["name"] in BASELINES}
+    report["roofline"] = {**roof, **shares}
+
+
 def _f(x, fmt="{:.2f}", none="-"):
     return none if x is None else fmt.format(x)
 
@@ -233,5 +241,12 @@ def render(report: dict, console) -> None:
     if hm is not None:
         console.print("hf_ar tokens " + ("match specrun_ar" if hm["identical"] else
                                          f"differ from specrun_ar from token {hm['first_diff']}"))
+    roof = report.get("roofline")
+    if roof:
+        mb = (roof["weight_bytes"] + roof["kv_bytes"]) / 1e6
+        parts = [f"{name[: -len('_share')]} {v:.0%}" for name, v in roof.items() if name.endswith("_share") and v]
+        console.print(f"memory roofline: {mb:.0f} MB read per token (weights + KV at {roof['mean_context']} keys) at "
+                      f"{roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s measured = {1 / roof['min_seconds_per_token']:.1f}"
+                      f" tok/s at most for AR; reached: {', '.join(parts) or '-'}")
     for n in report.get("notes", []):
         console.print(f"note: {n}")

@@ -67,7 +67,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels
       specrun bench --model M --prompt-file p.txt --lengths 2048,8192,16384 --repeat 1
       specrun bench --model smollm2 --chat --prompt "Write a long story." --max-tokens 1024 --concurrency 1,4,8
     """
-    from specrun.bench.report import annotate_divergences, render, summarize
+    from specrun.bench.report import add_roofline, annotate_divergences, render, summarize
     from specrun.bench.runner import (DEFAULT_RUNS, BenchSettings, bench_params, drop_unrunnable, hf_notes, plan,
                                       run_bench)
     from specrun.cli.generate import encode_prompt, load_for_cli
@@ -142,6 +142,9 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels
     run_params = bench_params(params, n)  # as run_bench ran them
     annotate_divergences(report, ms, lambda ref, toks: check_divergence(lm, prompt_ids, run_params, ref, toks,
                                                                                base.prefill_chunk))
+    from specrun.bench.roofline import roofline
+
+    add_roofline(report, roofline(lm, len(prompt_ids) + n // 2))  # measured after the runs: they run undisturbed
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -1,7 +1,8 @@
 """A lean decoder forward for Llama-family models (llama, mistral, qwen2, qwen3) over our KV cache and attention.
 
 Fused QKV and gate-up weights (one GEMV each instead of three and two: a memory-bound step reads the same bytes in
-fewer, larger calls), the HF model's own embedding, norm, rotary and activation modules; unsupported features refused.
+fewer, larger calls), prepacked where that pays (linear.py), the HF model's own embedding, norm, rotary and activation
+modules; unsupported features refused.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from specrun.decoding.linear import Linear
 
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -58,12 +60,10 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 class _Layer:
     ln1: torch.nn.Module
     ln2: torch.nn.Module
-    qkv_w: torch.Tensor  # [Hq*D + 2*Hkv*D, H]
-    qkv_b: torch.Tensor | None
-    o: torch.nn.Linear
-    gate_up_w: torch.Tensor  # [2I, H]
-    gate_up_b: torch.Tensor | None
-    down: torch.nn.Linear
+    qkv: Linear  # [Hq*D + 2*Hkv*D, H]
+    o: Linear  # [H, Hq*D]
+    gate_up: Linear  # [2I, H]
+    down: Linear  # [H, I]
     act: torch.nn.Module
     q_norm: torch.nn.Module | None  # qwen3: RMSNorm over each head's D before RoPE
     k_norm: torch.nn.Module | None
@@ -72,10 +72,11 @@ class _Layer:
     @classmethod
     def from_hf(cls, layer) -> _Layer:
         att, mlp = layer.self_attn, layer.mlp
-        qkv_w, qkv_b = _fuse([att.q_proj, att.k_proj, att.v_proj])
-        gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
-        return cls(layer.input_layernorm, layer.post_attention_layernorm, qkv_w, qkv_b, att.o_proj, gu_w, gu_b,
-                   mlp.down_proj, mlp.act_fn, getattr(att, "q_norm", None), getattr(att, "k_norm", None), att.scaling)
+        qkv = Linear(*_fuse([att.q_proj, att.k_proj, att.v_proj]))
+        gate_up = Linear(*_fuse([mlp.gate_proj, mlp.up_proj]))
+        return cls(layer.input_layernorm, layer.post_attention_layernorm, qkv, Linear.of(att.o_proj), gate_up,
+                   Linear.of(mlp.down_proj), mlp.act_fn, getattr(att, "q_norm", None), getattr(att, "k_norm", None),
+                   att.scaling)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,8 @@ class FusedDecoder:
         self.n_q = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.inter = self.layers[0].gate_up_w.shape[0] // 2
+        self.inter = self.layers[0].gate_up.weight.shape[0] // 2
+        self.lm_head = Linear.of(model.get_output_embeddings())  # [V, H]
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
@@ -117,16 +119,16 @@ class FusedDecoder:
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
         T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
         for i, L in enumerate(self.layers):
-            qkv = F.linear(L.ln1(x), L.qkv_w, L.qkv_b)  # [T, (nq + 2 nkv) D]
-            q = qkv[:, : nq * D].view(T, nq, D)
-            k = qkv[:, nq * D : (nq + nkv) * D].view(T, nkv, D)
+            qkv = L.qkv(L.ln1(x))  # [T, (nq + 2 nkv) D]
+            qk = qkv[:, : (nq + nkv) * D].view(T, nq + nkv, D)
             v = qkv[:, (nq + nkv) * D :].view(T, nkv, D)
             if L.q_norm is not None:
-                q, k = L.q_norm(q), L.k_norm(k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
+            qk = _rope(qk, cos, sin)  # q and k heads in one pass: elementwise, so the same values as two
+            q, k = qk[:, :nq], qk[:, nq:]
             out = ctx.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                              L.scaling)  # [1, T, Hq, D]
             x = x + L.o(out.reshape(T, nq * D))
-            gu = F.linear(L.ln2(x), L.gate_up_w, L.gate_up_b)  # [T, 2I]
+            gu = L.gate_up(L.ln2(x))  # [T, 2I]
             x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
         return self.norm(x)

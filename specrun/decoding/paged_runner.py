@@ -30,7 +30,7 @@ class PagedRunner:
         self.lm = lm
         self.backend = backend = resolve_backend(backend, lm.dtype, lm.device)
         self.decoder = FusedDecoder.of(lm.model)  # refuses architectures and features it would get wrong
-        self.lm_head = lm.model.get_output_embeddings()
+        self.lm_head = self.decoder.lm_head
         dec = self.decoder
         self.pool = PagePool(len(dec.layers), -(-kv_tokens // page_size), page_size, dec.n_kv, dec.head_dim,
                              lm.dtype, lm.device)

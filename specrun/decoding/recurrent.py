@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specrun.decoding.linear import Linear
 from specrun.decoding.sampling import SamplingParams, gumbel_at, process_logits
 from specrun.decoding.trie import Draft, DraftContext
 
@@ -51,12 +52,12 @@ class DraftWeights:
     def __init__(self, drafter: RecurrentDraft, embed: nn.Module, lm_head: nn.Module):
         self.drafter, self.embed = drafter, embed
         self.vocab_ids = drafter.vocab_ids  # [N]
-        self.head_w = lm_head.weight.detach()[self.vocab_ids].contiguous()  # [N, H]: one small GEMV per level
+        self.head = Linear(lm_head.weight.detach()[self.vocab_ids].contiguous())  # [N, H]: one small GEMV per level
 
     @torch.inference_mode()
     def logits(self, s: torch.Tensor) -> torch.Tensor:
         """# s: [R, H] -> [R, N] float32 logits over vocab_ids"""
-        return F.linear(s.to(self.head_w.dtype), self.head_w).float()
+        return self.head(s.to(self.head.weight.dtype)).float()
 
 
 def noise_row(w: DraftWeights, seed: int, position: int) -> torch.Tensor:

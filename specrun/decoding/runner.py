@@ -23,7 +23,7 @@ class ModelRunner:
         self.backend = backend
         self.model = lm.model
         self.decoder = FusedDecoder.of(self.model)  # refuses architectures and features it would get wrong
-        self.lm_head = self.model.get_output_embeddings()
+        self.lm_head = self.decoder.lm_head
         cfg = self.model.config
         self.n_layers = cfg.num_hidden_layers
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -145,3 +145,12 @@ def test_bench_concurrency_rejects_bad_levels(tiny_models):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_gqa"], "--prompt", "x", "--concurrency",
                                     "0,2"])
     assert res.exit_code == 2 and "--concurrency" in res.output
+
+
+def test_bench_reports_the_memory_roofline(tiny_models):
+    report = _bench(tiny_models["llama_gqa"], "--runs", "specrun_ar,specrun_spec")
+    roof = report["roofline"]
+    assert roof["bandwidth_bytes_per_s"] > 0 and roof["weight_bytes"] > 0 and roof["kv_bytes"] > 0
+    ar = next(r for r in report["runs"] if r["name"] == "specrun_ar")
+    assert abs(roof["specrun_ar_share"] - roof["min_seconds_per_token"] * ar["tokens_per_s"]) < 1e-9
+    assert "specrun_spec_share" not in roof  # a share of the roofline means something for one token a step only

@@ -1,0 +1,51 @@
+"""Linear layers of the decode step: on CPU in bf16/fp16 the weight is reordered once into oneDNN's blocked layout.
+
+F.linear runs the same oneDNN kernel there but reorders the weight at every call: prepacked, a 1-16 row step is 2-4x
+faster with the same results. Elsewhere (float32/64, CUDA, a CPU oneDNN cannot run bf16 on) it is plain F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of weight [N, K], or None where F.linear is the path (packing fails: F.linear serves)."""
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return None
+    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    check = getattr(torch.ops.mkldnn, supported[weight.dtype], None)
+    try:
+        if check is None or not check():
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    except (RuntimeError, AttributeError):
+        return None
+
+
+class Linear:
+    """y = x W^T + b over a fixed weight; `weight` stays the plain [N, K] tensor for whoever reads it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias  # [N, K], [N] or None
+        self._packed = prepack(weight)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> Linear:
+        bias = getattr(module, "bias", None)
+        return cls(module.weight.detach(), None if bias is None else bias.detach())
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """# x: [..., K] -> [..., N]"""
+        if self._packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])

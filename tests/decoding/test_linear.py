@@ -1,0 +1,38 @@
+"""The decode step's Linear: F.linear's results, prepacked only where that is the same computation (CPU bf16/fp16)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specrun.decoding.linear import Linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (3, 48), (17, 48), (2, 5, 48)])
+def test_bf16_matches_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 48, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(*shape, generator=g).bfloat16()
+    lin = Linear(w, b)
+    y = lin(x)
+    assert y.shape == (*shape[:-1], 96) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-2, atol=1e-2)
+    # each row's result does not depend on the other rows (a verify forward of T rows == T one-row forwards)
+    rows = x.reshape(-1, 48)
+    torch.testing.assert_close(lin(rows[:1]), y.reshape(-1, 96)[:1], rtol=1e-2, atol=1e-2)
+
+
+def test_float32_is_plain_f_linear():
+    w, x = torch.randn(32, 16), torch.randn(5, 16)
+    lin = Linear(w)
+    assert not lin.packed  # float32 exactness against HF generate: the same kernel HF uses
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_of_module_keeps_weight_and_bias():
+    m = torch.nn.Linear(8, 4).bfloat16()
+    lin = Linear.of(m)
+    assert lin.weight.data_ptr() == m.weight.data_ptr() and lin.bias is not None
+    x = torch.randn(2, 8).bfloat16()
+    torch.testing.assert_close(lin(x), m(x).detach(), rtol=1e-2, atol=1e-2)
