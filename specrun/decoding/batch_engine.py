@@ -28,7 +28,6 @@ from specrun.decoding.stats import GenStats
 from specrun.decoding.trie import Trie, build_trie, coupled, drafted_mass, walk
 
 
-LEARN_EVERY_AR = 4  # plain AR steps per recycling update (a matrix row is "last seen", so sampling it loses little)
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,6 @@ class BatchEngine:
         self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
-        self._ar_steps = 0  # batched plain AR steps so far
 
     # -- admission --------------------------------------------------------------------------------------------------
     def admit(self, key, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()) -> bool:
@@ -139,11 +137,8 @@ class BatchEngine:
                     a.heads.see_queries(self.runner.queries, offset)
                 offset += a.trie.size
                 accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
-            # the shared matrix learns every sequence's nodes at once, in their order; at plain AR steps (only roots,
-            # a top-k over the whole vocabulary per sequence, while drafts are not paying) from every LEARN_EVERY_AR-th
-            if self.recycling is not None and (budget > 1 or self._ar_steps % LEARN_EVERY_AR == 0):
-                self.recycling.learn(torch.cat([a.trie.tokens for a in live]), logits)
-            self._ar_steps += budget == 1
+            if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
+                self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
                 tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
                 shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]

@@ -16,7 +16,8 @@ EXPLORE_MAX_SHADOWED = 1024  # the cap once shadow tries (shadow.py) measure the
 # only re-times the wider widths' costs)
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
-PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens), weighted as one observation: explore, then settle fast
+PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's first observation replaces it: explore,
+# then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
 
 
@@ -34,7 +35,7 @@ class BudgetTuner:
         self._times = {w: deque(maxlen=COST_WINDOW) for w in self.widths}  # recent step seconds per width
         self.cost: dict[int, float] = {}  # seconds per step of w nodes, for the widths timed so far
         self.accepted = {w: min(float(w), PRIOR_ACCEPTED) for w in self.widths}
-        self._acc_n = dict.fromkeys(self.widths, 1)  # the prior counts as one observation
+        self._acc_n = dict.fromkeys(self.widths, 0)  # observations so far (the prior is none)
         self.step = 0
         self._ar_gap = EXPLORE_EVERY_AR  # steps from one wider step to the next while width 1 wins
         self._ar_next = EXPLORE_EVERY_AR  # the step of the next one

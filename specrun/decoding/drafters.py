@@ -94,7 +94,7 @@ class RecyclingDrafter:
         return [Draft(tokens.tolist(), parents.tolist(), source)]
 
     def observe(self, v: Verified) -> None:
-        self.matrix.learn(v.tokens, v.logits)
+        self.matrix.learn_step(v.tokens, v.logits, plain=v.tokens.shape[0] == 1)
 
     def commit(self, tokens: list[int]) -> None:
         pass

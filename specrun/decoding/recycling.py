@@ -64,6 +64,9 @@ TREE_DEPTHS = torch.tensor(_DEPTHS, dtype=torch.long)  # [N] 0 at the root
 MIN_K = max(_RANKS) + 1  # the tree reads ranks 0..MIN_K-1 of each row
 
 
+LEARN_EVERY_AR = 4  # plain AR steps per matrix update
+
+
 class RecyclingMatrix:
     """Top-K next-token matrix [V, K] (long) with hot-start state and the static tree expanded from it."""
 
@@ -81,6 +84,7 @@ class RecyclingMatrix:
         self.depths = TREE_DEPTHS.to(self.device)  # [N]
         self.ranks = TREE_RANKS.to(self.device)  # [N]
         self.level_bounds = LEVEL_BOUNDS  # [(start, end)] node index ranges of depths 1..6
+        self._plain_steps = 0  # plain AR steps seen by learn_step
 
     def draft(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expand the static tree from `root` -> (tokens [N], parents [N]); node 0 = root, BFS order."""
@@ -119,6 +123,15 @@ class RecyclingMatrix:
 
         # tokens: [T] long, logits: [T, V]"""
         self.update(tokens, torch.topk(logits, self.k, dim=-1).indices)
+
+    def learn_step(self, tokens: torch.Tensor, logits: torch.Tensor, plain: bool) -> None:
+        """learn() a verify step's nodes; a plain AR step (roots only, while drafts are not paying: a top-k over the
+        whole vocabulary for one row) only every LEARN_EVERY_AR-th time (a row is "last seen": sampling loses little).
+
+        # tokens: [T] long, logits: [T, V]"""
+        if not plain or self._plain_steps % LEARN_EVERY_AR == 0:
+            self.learn(tokens, logits)
+        self._plain_steps += plain
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hot-start state (a CPU copy)."""

@@ -79,7 +79,7 @@ def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss
         t.observe(w, [], 1.0 if w == 1 else 1.3)
         w = t.choose()
         picks.append(w)
-    assert picks[-20:] == [1] * 20, picks  # back to AR within 10 steps
+    assert picks[-28:] == [1] * 28, picks  # back to AR at once: the first observation replaces the optimistic prior
     explored = [t.choose() for _ in range(EXPLORE_EVERY_AR)]
     assert explored.count(1) == EXPLORE_EVERY_AR - 1  # then one wider step in EXPLORE_EVERY_AR
 
@@ -96,7 +96,7 @@ def test_a_cold_first_step_does_not_keep_a_width_out(slow_steps):
         w = t.choose()
         picks.append(w)
         t.observe(w, [], 57.0 if w == 1 and picks.count(1) <= slow_steps else true_cost[w])  # drafts never accepted
-    assert picks[:2] == [1, 1] and picks[-20:].count(1) >= 19, picks
+    assert picks[:2] == [1, 1] and picks[-20:].count(1) >= 18, picks  # at most one exploring pair among them
 
 
 def test_exploring_backs_off_while_drafts_keep_missing():
@@ -106,8 +106,8 @@ def test_exploring_backs_off_while_drafts_keep_missing():
     for step in range(1, 1100):
         w = t.choose()
         t.observe(w, [], 1.0 if w == 1 else 1.3)
-        if w > 1 and step > 20:  # after the first timings
-            wider.append(step)
+        if w > 1 and step > 20 and step - 1 not in wider:  # after the first timings; a width explored for the
+            wider.append(step)  # first time is timed twice in a row (its first step pays one-off set-up): one episode
     gaps = [b - a for a, b in zip(wider, wider[1:])]
     assert gaps[:3] == [EXPLORE_EVERY_AR, 2 * EXPLORE_EVERY_AR, EXPLORE_MAX_AR] and set(gaps[2:]) == {EXPLORE_MAX_AR}
 

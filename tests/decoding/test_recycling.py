@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrun.decoding.recycling import STATIC_TREE, TREE_DEPTHS, TREE_PARENTS, TREE_SIZE, RecyclingMatrix
+from specrun.decoding.recycling import (LEARN_EVERY_AR, STATIC_TREE, TREE_DEPTHS, TREE_PARENTS, TREE_SIZE,
+                                       RecyclingMatrix)
 
 
 def test_static_tree_shape() -> None:
@@ -113,6 +114,22 @@ def test_one_learn_over_a_batch_equals_learning_each_sequence_in_turn() -> None:
     once.learn(torch.cat([t for t, _ in parts]), torch.cat([lg for _, lg in parts]))
     assert torch.equal(once.matrix, each.matrix)
     assert torch.equal(once.matrix[3], torch.topk(parts[2][1][1], 8).indices)  # the last sequence's row for 3
+
+
+def test_plain_ar_steps_teach_the_matrix_every_nth_time_wide_steps_always() -> None:
+    g = torch.Generator().manual_seed(1)
+    rm = RecyclingMatrix(50, k=8)
+    learned = []
+    for step in range(3 * LEARN_EVERY_AR):
+        token = torch.tensor([step])
+        logits = torch.randn(1, 50, generator=g)
+        rm.learn_step(token, logits, plain=True)
+        if torch.equal(rm.matrix[step], torch.topk(logits[0], 8).indices):
+            learned.append(step)
+    assert learned == list(range(0, 3 * LEARN_EVERY_AR, LEARN_EVERY_AR))
+    tokens, logits = torch.tensor([40, 41]), torch.randn(2, 50, generator=g)
+    rm.learn_step(tokens, logits, plain=False)  # a wide step (drafts verified) always teaches
+    assert torch.equal(rm.matrix[tokens], torch.topk(logits, 8).indices)
 
 
 def test_update_refuses_bad_shapes() -> None:
