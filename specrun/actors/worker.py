@@ -112,6 +112,7 @@ class GenerationWorker:
             import torch
 
             from specrun.decoding.engine import Engine
+            from specrun.decoding.decoder import FusedDecoder
             from specrun.models.loader import load_model
 
             self._check_job_dir()
@@ -123,6 +124,7 @@ class GenerationWorker:
                 raise ValueError(f"model at {spec.model!r} has fingerprint {lm.fingerprint}, the job was made with "
                                  f"{spec.fingerprint}: the model files changed")
             self.lm = lm
+            FusedDecoder.of(lm.model)  # fused and prepacked weights first: the KV budget measures memory after them
             self.concurrency = self._concurrency()
             if self.concurrency > 1:
                 from specrun.actors.batch_loop import BatchLoop

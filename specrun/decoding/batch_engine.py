@@ -28,8 +28,6 @@ from specrun.decoding.stats import GenStats
 from specrun.decoding.trie import Trie, build_trie, coupled, drafted_mass, walk
 
 
-
-
 @dataclass(frozen=True)
 class BatchConfig:
     concurrency: int = 4  # most sequences in one step
