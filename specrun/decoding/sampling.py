@@ -110,10 +110,14 @@ def gumbel_at(seed: int, positions: torch.Tensor, tokens: torch.Tensor) -> torch
 def apply_penalty(logits: torch.Tensor, present: torch.Tensor, theta: float) -> torch.Tensor:
     """Contextual penalty: logit/theta if > 0 else logit*theta, for tokens present in the window.
 
-    # logits: [T, V] float, present: [T, V] bool -> [T, V]
+    Only the window's tokens (a few hundred of the vocabulary) are touched: the same values as a whole-row pass.
+    # logits: [T, V] float, present: [T, V] bool -> [T, V] (a new tensor)
     """
-    penalized = torch.where(logits > 0, logits / theta, logits * theta)
-    return torch.where(present, penalized, logits)
+    rows, cols = present.nonzero(as_tuple=True)
+    hit = logits[rows, cols]
+    out = logits.clone()
+    out[rows, cols] = torch.where(hit > 0, hit / theta, hit * theta)
+    return out
 
 
 def truncate(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -134,7 +138,7 @@ def truncate(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         scores = scores.masked_fill(drop, neg_inf)
     if p.min_p > 0.0:
         probs = scores.softmax(dim=-1)
-        floor = p.min_p * probs.max(dim=-1, keepdim=True).values
+        floor = p.min_p * probs.amax(dim=-1, keepdim=True)
         scores = scores.masked_fill(probs < floor, neg_inf)
     if p.eta > 0.0:
         probs = scores.softmax(dim=-1)
@@ -155,7 +159,7 @@ def process_logits(logits: torch.Tensor, present: torch.Tensor | None, p: Sampli
         x = apply_penalty(x, present, p.penalty)
     if p.greedy:
         return x
-    return truncate(x / p.temperature, p)
+    return truncate(x / p.temperature if p.temperature != 1.0 else x, p)  # x / 1.0 is x: one pass saved
 
 
 def choose(processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
@@ -175,10 +179,13 @@ def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch
     # processed: [T, V] (-inf = dropped), positions: [T] long -> [T] long
     """
     kept = processed > float("-inf")
-    rows, cols = kept.nonzero(as_tuple=True)
+    rows, cols = kept.nonzero(as_tuple=True)  # row-major: each row's columns ascending
     if rows.numel() * 4 > processed.numel():  # little truncated: whole noise rows, one per distinct position
         uniq, inverse = torch.unique(positions, return_inverse=True)
         return choose(processed, gumbel_noise(seed, uniq, processed.shape[-1])[inverse])
-    scores = torch.full_like(processed, float("-inf"))
-    scores[rows, cols] = processed[rows, cols] + gumbel_at(seed, positions[rows], cols).to(processed.dtype)
-    return scores.argmax(dim=-1)
+    # argmax over the kept entries alone (the dropped ones are -inf), first column among equals as argmax picks
+    scores = processed[rows, cols] + gumbel_at(seed, positions[rows], cols).to(processed.dtype)  # [N]
+    T = processed.shape[0]
+    best = scores.new_full((T,), float("-inf")).scatter_reduce_(0, rows, scores, "amax")  # [T]
+    firsts = torch.where(scores == best[rows], cols, processed.shape[-1])
+    return cols.new_full((T,), processed.shape[-1]).scatter_reduce_(0, rows, firsts, "amin")

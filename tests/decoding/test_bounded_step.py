@@ -25,8 +25,9 @@ class OutputSizes(TorchDispatchMode):
         return out
 
 
-def per_step_sizes(engine, prompt, params):
-    """[(tokens so far, largest tensor, total elements)] per step, the model forward itself not watched."""
+def per_step_sizes(engine, prompt, params, emitted=None):
+    """[(tokens so far, largest tensor, total elements)] per step, the model forward itself not watched; the tokens go
+    to `emitted` (a list) when given."""
     forward = engine.runner.forward
     spy = OutputSizes()
 
@@ -42,6 +43,8 @@ def per_step_sizes(engine, prompt, params):
 
     def on_step(tokens):
         done[0] += len(tokens)
+        if emitted is not None:
+            emitted.extend(tokens)
         steps.append((done[0], spy.largest, spy.total))
         spy.largest = spy.total = 0
         return False
@@ -58,10 +61,17 @@ PARAMS = SamplingParams(max_tokens=1200, temperature=0.9, min_p=0.02, penalty=1.
 def test_ar_steps_do_identical_work_at_any_length(load_fixture):
     lm = load_fixture("llama_gqa", dtype="float32")
     prompt = lm.tokenizer.encode("the cat sat on the mat. the cat")
-    steps = per_step_sizes(Engine(lm, EngineConfig(drafters=())), prompt, PARAMS)
-    # once the penalty window is full every AR step has the same shapes: any rescan of the output would show
-    work = {(big, total) for n, big, total in steps[100:]}
-    assert len(work) == 1, sorted(work)[:5]
+    out = []
+    steps = per_step_sizes(Engine(lm, EngineConfig(drafters=())), prompt, PARAMS, out)
+    # once the penalty window is full, AR steps whose window holds as many distinct tokens (the penalty touches those
+    # alone) have the same shapes at any length: any rescan of the output would show
+    seen, W = prompt + out, PARAMS.penalty_window
+    work = {}
+    for n, big, total in steps[100:]:  # step n emitted token n; it penalised the window before it
+        distinct = len(set(seen[: len(prompt) + n - 1][-W:]))
+        work.setdefault(distinct, set()).add((big, total))
+    assert len(work) > 1  # the window's content varies, so the grouping is exercised
+    assert all(len(shapes) == 1 for shapes in work.values()), work
 
 
 @pytest.mark.parametrize("drafters", [("ngram",), ("ngram", "recycling")])

@@ -39,20 +39,41 @@ def test_choice_trades_acceptance_against_cost_and_explores():
 
 def test_a_wider_width_must_beat_the_narrower_by_the_margin():
     """Sampled text: width 2's drafts are accepted now and then; a gain below the margin keeps plain AR steps."""
-    for cost_2, wanted in ((1.0, 1), (0.9, 2)):
+    for every, wanted in ((50, 1), (5, 2)):
         t = BudgetTuner(2)
         t.observe(1, [], 1.0)
         t.observe(1, [], 1.0)
-        t.observe(2, [], cost_2)
-        for k in range(1000):  # width 2's second node accepted 2% of the time
-            t.observe(2, [1] if k % 50 == 0 else [], cost_2)
+        t.observe(2, [], 1.0)
+        for k in range(1000):  # width 2's second node accepted every `every`-th step
+            t.observe(2, [1] if k % every == 0 else [], 1.0)
         gain = (t.accepted[2] / t.cost[2]) / (t.accepted[1] / t.cost[1])
         assert (1.0 < gain < 1 + WIDER_MARGIN) if wanted == 1 else gain > 1 + WIDER_MARGIN  # what the case is about
         picks = [t.choose() for _ in range(EXPLORE_EVERY_AR - 1)]
         off_best = len(picks) // EXPLORE_EVERY if wanted > 1 else 0  # exploring steps (AR explores less often)
-        assert picks.count(wanted) >= len(picks) - off_best, (cost_2, t.accepted, t.cost, picks)
+        assert picks.count(wanted) >= len(picks) - off_best, (every, t.accepted, t.cost, picks)
 
 
+def test_a_wider_width_is_never_costed_below_a_narrower_one():
+    """Costs are minima over windows of different ages: width 2's fast minimum from a quiet spell against plain AR's
+    fresh one from a slow spell must not make drafts that miss look cheaper than plain steps."""
+    t = BudgetTuner(4)
+    for w, seconds in ((1, 1.0), (1, 1.0), (2, 0.9), (2, 0.9), (4, 0.95), (4, 0.95)):
+        t.observe(w, [], seconds)  # no draft accepted: every width is worth one token a step
+    for _ in range(COST_WINDOW):
+        t.observe(1, [], 1.2)  # a slow spell: plain AR's window now holds only slow steps
+    assert t.cost == {1: 1.2, 2: 0.9, 4: 0.95}
+    assert t.estimated_cost(2) == t.estimated_cost(4) == 1.2
+    assert [t.choose() for _ in range(EXPLORE_EVERY_AR - 2)] == [1] * (EXPLORE_EVERY_AR - 2)
+
+
+def test_an_unmeasured_width_is_tried_only_right_above_the_widest_measured_one():
+    """Shadow tries can credit a 64-node trie with more tokens than narrower ones before it was ever timed: its cost is
+    not the 2-node step's, so the widths are climbed one at a time."""
+    t = BudgetTuner(64)
+    for w in (1, 1, 2, 2):
+        t.observe(w, [], 1.0)
+    t.observe_shadow([[1, 2, 3, 40]])  # the full trie would have kept 4 nodes, the 4-node one 3, the 2-node one 1
+    assert t.choose() == 4
 def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
     """8 sequences, one of which accepted a draft: the batch's 1.125 tokens per sequence moves the estimate once, as
     one sequence's step would (8 separate observations would weigh that one hit 8 times over)."""

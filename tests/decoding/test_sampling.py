@@ -129,3 +129,28 @@ def test_sparse_noise_picks_exactly_what_full_noise_rows_pick(kw):
     positions = torch.randint(0, 50, (40,), generator=g)
     dense = choose(processed, gumbel_noise(11, positions, 300))
     assert torch.equal(sample(processed, 11, positions), dense)
+
+
+def test_sparse_noise_breaks_ties_at_the_first_column_as_argmax_does(monkeypatch):
+    from specrun.decoding import sampling
+
+    # zero noise makes equal processed scores tie exactly: the sparse pick must be dense argmax's (first column)
+    monkeypatch.setattr(sampling, "gumbel_at", lambda seed, pos, tok: torch.zeros(tok.shape, dtype=torch.float64))
+    ninf = float("-inf")
+    processed = torch.tensor([[ninf, 2.0, 2.0, ninf, 1.0, ninf, ninf, ninf],
+                              [0.5, ninf, ninf, ninf, ninf, ninf, ninf, 0.5],
+                              [ninf, ninf, ninf, ninf, ninf, ninf, -3.0, ninf]])
+    assert sampling.sample(processed, 0, torch.tensor([4, 5, 6])).tolist() == processed.argmax(-1).tolist() == [1, 0, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_penalty_touches_only_window_tokens_with_the_whole_row_formula(dtype):
+    from specrun.decoding.sampling import apply_penalty
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 1000, generator=g) * 4).to(dtype)
+    present = torch.rand(5, 1000, generator=g) < 0.05
+    before = logits.clone()
+    dense = torch.where(present, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits)
+    assert torch.equal(apply_penalty(logits, present, 1.3), dense)
+    assert torch.equal(logits, before)  # the caller's logits are left as they were
