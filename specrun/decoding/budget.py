@@ -42,12 +42,15 @@ class BudgetTuner:
         self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
 
     def estimated_cost(self, w: int) -> float | None:
-        """The highest cost measured at w or below (a wider step never costs less than a narrower one: costs are minima
-        over windows of different ages, and a rarely verified width keeps a fast one from a quiet spell while plain
-        AR's is fresh, which made missing drafts look cheaper than AR); unmeasured w: that of the widths below it
-        (optimistic: explore). None if nothing is known."""
-        known = [self.cost[v] for v in self.widths if v <= w and v in self.cost]
-        return max(known) if known else None
+        """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
+        width keeps a fast one from a quiet spell while plain AR's is fresh, which made missing drafts look cheaper than
+        AR). Unmeasured: the widest measured width's below it (optimistic: explore the next width up), doubled for each
+        width skipped past that one (a 64-node step is no 2-node step). None if nothing is known."""
+        measured = [v for v in self.widths if v <= w and v in self.cost]
+        if not measured:
+            return None
+        cost = self.cost[measured[-1]] * 2 ** max(0, self.widths.index(w) - self.widths.index(measured[-1]) - 1)
+        return max(cost, self.cost.get(self.widths[0], 0.0))
 
     def choose(self) -> int:
         self.step += 1
@@ -59,8 +62,6 @@ class BudgetTuner:
             if len(self._times[w]) == 1:  # timed once: that first step paid one-off set-up (new shapes), time it again
                 return w
             rates.append((self.accepted[w] / c, i))
-            if w not in self.cost:  # one unmeasured width at a time: a narrower width's cost is no guess for a much
-                break  # wider one (a 64-node sampled step costs ~8 plain ones)
         best_rate, best = rates[0]
         for rate, i in rates[1:]:
             if rate > best_rate * (1 + WIDER_MARGIN):

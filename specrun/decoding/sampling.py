@@ -187,5 +187,7 @@ def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch
     scores = processed[rows, cols] + gumbel_at(seed, positions[rows], cols).to(processed.dtype)  # [N]
     T = processed.shape[0]
     best = scores.new_full((T,), float("-inf")).scatter_reduce_(0, rows, scores, "amax")  # [T]
-    firsts = torch.where(scores == best[rows], cols, processed.shape[-1])
-    return cols.new_full((T,), processed.shape[-1]).scatter_reduce_(0, rows, firsts, "amin")
+    V = processed.shape[-1]
+    firsts = torch.where(scores == best[rows], cols, V)
+    picked = cols.new_full((T,), V).scatter_reduce_(0, rows, firsts, "amin")
+    return picked.masked_fill_(picked == V, 0)  # a row with nothing kept (NaN logits): token 0, as argmax gives

@@ -53,7 +53,7 @@ def test_a_wider_width_must_beat_the_narrower_by_the_margin():
         assert picks.count(wanted) >= len(picks) - off_best, (every, t.accepted, t.cost, picks)
 
 
-def test_a_wider_width_is_never_costed_below_a_narrower_one():
+def test_no_width_is_costed_below_plain_ar():
     """Costs are minima over windows of different ages: width 2's fast minimum from a quiet spell against plain AR's
     fresh one from a slow spell must not make drafts that miss look cheaper than plain steps."""
     t = BudgetTuner(4)
@@ -66,14 +66,40 @@ def test_a_wider_width_is_never_costed_below_a_narrower_one():
     assert [t.choose() for _ in range(EXPLORE_EVERY_AR - 2)] == [1] * (EXPLORE_EVERY_AR - 2)
 
 
-def test_an_unmeasured_width_is_tried_only_right_above_the_widest_measured_one():
+def test_a_stale_slow_width_does_not_hold_back_the_wider_ones():
+    t = BudgetTuner(8)
+    for w, seconds in ((1, 1.0), (1, 1.0), (2, 1.0), (2, 1.0), (4, 5.0), (4, 5.0), (8, 1.1), (8, 1.1)):
+        t.observe(w, [], seconds)  # width 4 was only ever timed in a slow spell
+    for _ in range(20):
+        t.observe_shadow([[1, 3, 5]])  # the full trie keeps 3 nodes a step: width 8 is worth 4 tokens, width 4 three
+    assert t.estimated_cost(8) == 1.1
+    assert t.choose() == 8
+
+
+def test_unmeasured_widths_cost_double_for_each_width_skipped():
     """Shadow tries can credit a 64-node trie with more tokens than narrower ones before it was ever timed: its cost is
-    not the 2-node step's, so the widths are climbed one at a time."""
+    not the 2-node step's (a jump from width 2 to 64 once cost 8 plain steps a step); the next width up is explored at
+    the measured cost, each one past it at twice the one before."""
     t = BudgetTuner(64)
     for w in (1, 1, 2, 2):
         t.observe(w, [], 1.0)
+    assert [t.estimated_cost(w) for w in t.widths] == [1.0, 1.0, 1.0, 2.0, 4.0, 8.0, 16.0]
     t.observe_shadow([[1, 2, 3, 40]])  # the full trie would have kept 4 nodes, the 4-node one 3, the 2-node one 1
     assert t.choose() == 4
+
+
+def test_shadows_can_lead_past_a_width_whose_nodes_miss():
+    """Drafts whose first nodes miss and later ones hit: width 4 gains nothing, width 8 much; skipping one width is
+    worth it when the shadows say so (it is then timed and costed as measured)."""
+    t = BudgetTuner(8)
+    for w in (1, 1, 2, 2):
+        t.observe(w, [], 1.0)
+    for _ in range(10):
+        t.observe_shadow([[4, 5, 6]])
+    assert round(t.accepted[4], 3) == 1.0 and t.accepted[8] > 3
+    assert t.choose() == 8
+
+
 def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
     """8 sequences, one of which accepted a draft: the batch's 1.125 tokens per sequence moves the estimate once, as
     one sequence's step would (8 separate observations would weigh that one hit 8 times over)."""

@@ -154,3 +154,13 @@ def test_penalty_touches_only_window_tokens_with_the_whole_row_formula(dtype):
     dense = torch.where(present, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits)
     assert torch.equal(apply_penalty(logits, present, 1.3), dense)
     assert torch.equal(logits, before)  # the caller's logits are left as they were
+
+
+def test_a_row_with_nothing_kept_samples_token_0_as_argmax_does():
+    from specrun.decoding.sampling import sample
+
+    nan, ninf = float("nan"), float("-inf")
+    processed = torch.full((3, 50), ninf)
+    processed[0, 7] = 1.0
+    processed[1] = nan  # e.g. logits that overflowed: nothing is > -inf, nothing is kept
+    assert sample(processed, 0, torch.tensor([3, 4, 5])).tolist() == [7, 0, 0]
