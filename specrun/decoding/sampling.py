@@ -178,16 +178,14 @@ def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch
     Truncation (top-k/top-p/min-p/eta) usually keeps a handful of tokens: noise is then drawn for those alone.
     # processed: [T, V] (-inf = dropped), positions: [T] long -> [T] long
     """
-    kept = processed > float("-inf")
-    rows, cols = kept.nonzero(as_tuple=True)  # row-major: each row's columns ascending
+    T, V = processed.shape
+    rows, cols = (processed > float("-inf")).nonzero(as_tuple=True)  # row-major: each row's columns ascending
     if rows.numel() * 4 > processed.numel():  # little truncated: whole noise rows, one per distinct position
         uniq, inverse = torch.unique(positions, return_inverse=True)
-        return choose(processed, gumbel_noise(seed, uniq, processed.shape[-1])[inverse])
+        return choose(processed, gumbel_noise(seed, uniq, V)[inverse])
     # argmax over the kept entries alone (the dropped ones are -inf), first column among equals as argmax picks
     scores = processed[rows, cols] + gumbel_at(seed, positions[rows], cols).to(processed.dtype)  # [N]
-    T = processed.shape[0]
     best = scores.new_full((T,), float("-inf")).scatter_reduce_(0, rows, scores, "amax")  # [T]
-    V = processed.shape[-1]
     firsts = torch.where(scores == best[rows], cols, V)
     picked = cols.new_full((T,), V).scatter_reduce_(0, rows, firsts, "amin")
     return picked.masked_fill_(picked == V, 0)  # a row with nothing kept (NaN logits): token 0, as argmax gives

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specrun.storage.atomic import atomic_write_table
-from specrun.storage.fs import fs_of, job_path
+from specrun.storage.fs import fs_of, job_path, move_aside
 from specrun.storage.schemas import CHUNK
 
 _NAME = re.compile(r"^chunk-(\d{10})-(\d{10})\.parquet$")
@@ -61,13 +61,6 @@ def _read_valid(path, start: int, end: int) -> list[int] | None:
     return toks if ok else None
 
 
-def _set_aside(path, suffix: str) -> None:
-    try:
-        fs_of(path).rename(path, path.with_name(path.name + suffix))
-    except FileNotFoundError:
-        pass
-
-
 def read_progress(progress_dir: str | os.PathLike, quarantine: bool = True) -> list[int]:
     """Longest contiguous run of consistent checkpointed tokens from offset 0.
 
@@ -90,17 +83,17 @@ def read_progress(progress_dir: str | os.PathLike, quarantine: bool = True) -> l
     for start, end, path in spans:
         if start > len(out) or end <= start:  # a gap: the tokens before it were lost, what follows is another run's
             if quarantine:
-                _set_aside(path, ".stale")
+                move_aside(path, ".stale")
             continue
         toks = _read_valid(path, start, end)
         if toks is None:
             if quarantine:
-                _set_aside(path, ".corrupt")
+                move_aside(path, ".corrupt")
             continue
         overlap = min(end, len(out)) - start
         if toks[:overlap] != out[start:start + overlap]:  # another run's tokens for the same span
             if quarantine:
-                _set_aside(path, ".stale")
+                move_aside(path, ".stale")
             continue
         out.extend(toks[overlap:])
     return out

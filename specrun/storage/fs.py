@@ -257,3 +257,11 @@ def location(path) -> str:
     URI."""
     p = job_path(path)
     return str(p.resolve()) if isinstance(p, Path) else str(p)
+
+
+def move_aside(path, suffix: str = ".corrupt") -> None:
+    """Rename a damaged or stale file out of the readers' way (kept for inspection); gone already is fine."""
+    try:
+        fs_of(path).rename(path, path.with_name(path.name + suffix))
+    except FileNotFoundError:
+        pass

@@ -4,9 +4,10 @@ Files:
   <key>.parquet                    a part: one prompt's row, written (durably) by the driver when the prompt finished
                                    (key = names.id_key(id)), before its done marker (I3)
   merged.<level>.<16 hex>.parquet  many rows in input order, in row groups, written by a compaction
-Compaction (the driver only, under the job lock, one at a time) writes a merged file completely and durably, and only
-then removes the files it replaces: at every instant each row is in at least one complete file. Parts merge into a
-level-1 file, FANOUT files of one level into one of the next, and when every prompt is done everything into one.
+Compaction (merging.py; the driver only, under the job lock, one at a time) writes a merged file completely and
+durably, and only then removes the files it replaces: at every instant each row is in at least one complete file.
+Parts merge into a level-1 file, FANOUT files of one level into one of the next, and when every prompt is done
+everything into one.
 
 Readers (export, status, the driver) take a snapshot: list the directory, open the merged files and read their id
 columns, list again, and start over if a merged file appeared meanwhile (a compaction ran: its output is then in the
@@ -22,15 +23,15 @@ through `specrun export` (or dedupe on id).
 from __future__ import annotations
 
 import re
-import uuid
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from specrun.storage.fs import fs_of, is_tmp_name, job_path
+from specrun.storage.fs import fs_of, job_path, move_aside
 from specrun.storage.names import id_key
-from specrun.storage.rowfiles import Source, bad_rows, gone, merge_batches, merge_rows, open_parquet, row_writer
+from specrun.storage.rowfiles import Source, gone, merge_batches, merge_rows, open_parquet, row_writer
 from specrun.storage.schemas import OUTPUT
+
 
 PART = re.compile(r"^([A-Za-z0-9_-]+-[0-9a-f]{16})\.parquet$")
 MERGED = re.compile(r"^merged\.(\d+)\.[0-9a-f]{16}\.parquet$")
@@ -56,13 +57,6 @@ class Snapshot:
 
 
 @dataclass
-class Scan:
-    rows: dict[str, dict]  # id -> the requested columns of its row, for every readable row
-    in_parts: set[str]  # ids whose row is (only) in a part file
-    problems: list[str]
-
-
-@dataclass
 class Compaction:
     files_in: int = 0
     rows: int = 0
@@ -71,11 +65,11 @@ class Compaction:
     problems: list[str] = field(default_factory=list)
 
 
-def _set_aside(path, suffix: str = ".corrupt") -> None:
-    try:
-        fs_of(path).rename(path, path.with_name(path.name + suffix))
-    except FileNotFoundError:
-        pass
+@dataclass
+class Scan:
+    rows: dict[str, dict]  # id -> the requested columns of its row, for every readable row
+    in_parts: set[str]  # ids whose row is (only) in a part file
+    problems: list[str]
 
 
 class OutputStore:
@@ -121,7 +115,7 @@ class OutputStore:
                         break
                     snap.problems.append(f"{path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
                     if set_aside:
-                        _set_aside(path)
+                        move_aside(path)
                     continue
                 snap.sources.append(Source(path, ids, pf, level))
             if complete:
@@ -138,7 +132,7 @@ class OutputStore:
                     except Exception as e:
                         snap.problems.append(f"{path.name} is unreadable ({type(e).__name__}: {str(e)[:200]})")
                         if set_aside:
-                            _set_aside(path)
+                            move_aside(path)
                         continue
                 snap.sources.append(Source(path, [pid]))
             return snap
@@ -202,115 +196,16 @@ class OutputStore:
             return Scan(found, in_parts, snap.problems)
         raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
 
-    # -- the driver only, under the job lock ---------------------------------------------------------------------
+    # -- the driver only, under the job lock (merging.py) ---------------------------------------------------------
     def repair(self, keymap: dict[str, str], key) -> list[str]:
-        """Before a run: remove temporaries of killed writers, read every file in full (page checksums), move
-        unreadable parts and merged files aside (`.corrupt`, keeping the readable rows of a merged file in a new
-        one), and remove parts already in a merged file. Afterwards every row scan() finds is readable."""
-        for n in self.fs.list(self.dir):
-            if is_tmp_name(n):
-                self.fs.delete(self.dir / n)
-        snap = self.snapshot(keymap, set_aside=True)
-        problems, res = list(snap.problems), Compaction()
-        covered = set()
-        for src in (s for s in snap.sources if s.level > 0):
-            for g in range(src.pf.metadata.num_row_groups):
-                try:
-                    if bad := bad_rows(src.pf.read_row_group(g)):
-                        src.bad.append(f"row group {g}: {len(bad)} row(s) do not match their checksum")
-                except Exception as e:
-                    src.bad.append(f"row group {g}: {type(e).__name__}: {str(e)[:200]}")
-            if src.bad:  # keep what can be read in a new file; the rest is regenerated
-                problems.append(f"{src.path.name}: {'; '.join(src.bad)}")
-                src.bad.clear()  # found again by the merge, which then moves the file aside
-                kept = self._merge([src], src.level, key, res)
-                if kept is not None:
-                    kept.close()
-                    covered.update(kept.ids)
-            else:
-                covered.update(src.ids)
-        for src in (s for s in snap.sources if s.level == 0):
-            if src.ids[0] in covered:
-                self.fs.delete(src.path)
-                continue
-            try:
-                with open_parquet(src.path) as pf:
-                    t = pf.read()
-                ok = t.num_rows == 1 and t.column("id")[0].as_py() == src.ids[0] and not bad_rows(t)
-                err = "it does not hold the row its name says, or its row does not match its checksum"
-            except Exception as e:
-                ok, err = False, f"{type(e).__name__}: {str(e)[:200]}"
-            if not ok:
-                problems.append(f"{src.path.name} is unreadable ({err})")
-                _set_aside(src.path)
-        snap.close()
-        return problems + res.problems
+        """Before a run: make every row scan() finds readable (merging.repair)."""
+        from specrun.storage.merging import repair
+
+        return repair(self, keymap, key)
 
     def compact(self, keymap: dict[str, str], key, part_ids=None, everything: bool = False, cancel=None,
                 fanout: int | None = None) -> Compaction:
-        """Merge the parts of `part_ids` (None: every part) into a level-1 file, then FANOUT files of a level into
-        one of the next; with `everything`, leave one file. Inputs are removed only after the output is durable."""
-        res, fanout = Compaction(), fanout or FANOUT
-        snap = self.snapshot(keymap)
-        merged = [s for s in snap.sources if s.level > 0]
-        covered = {i for s in merged for i in s.ids}
-        wanted = None if part_ids is None else {id_key(i) for i in part_ids}
-        fresh = []
-        for s in (s for s in snap.sources if s.level == 0):
-            if wanted is not None and id_key(s.ids[0]) not in wanted:
-                continue
-            if s.ids[0] in covered:  # a crash between a merge and its removals left it
-                self.fs.delete(s.path)
-                res.merged_parts.append(s.ids[0])
-            else:
-                fresh.append(s)
-        try:
-            if fresh:
-                merged.append(self._merge(fresh, 1, key, res, cancel))
-            while True:
-                merged = [s for s in merged if s is not None]
-                levels: dict[int, list[Source]] = {}
-                for s in merged:
-                    levels.setdefault(s.level, []).append(s)
-                full = [lv for lv, ss in sorted(levels.items()) if len(ss) >= fanout]
-                if full:
-                    group = levels[full[0]]
-                elif everything and len(merged) > 1:
-                    group = merged
-                else:
-                    break
-                out = self._merge(group, max(s.level for s in group) + 1, key, res, cancel)
-                merged = [s for s in merged if s not in group] + [out]
-        finally:
-            for s in merged:
-                if s is not None:
-                    s.close()
-            snap.close()
-        return res
+        """Merge the parts of `part_ids` (None: every part) and merged files of outputs/ (merging.compact)."""
+        from specrun.storage.merging import compact
 
-    def _merge(self, sources: list[Source], level: int, key, res: Compaction, cancel=None) -> Source | None:
-        """Write the rows of `sources` into one new merged file, durably, then remove them (an unreadable one is
-        moved aside instead); returns the new file as a Source (None if no row was readable)."""
-        path = self.dir / f"merged.{level}.{uuid.uuid4().hex[:16]}.parquet"
-        written: list[str] = []
-        with row_writer(path, OUTPUT) as w:
-            for _, pids, t in merge_batches(sources, key, cancel=cancel):
-                w.add(t)
-                written.extend(pids)
-        done = set(written)
-        res.lost.extend(sorted({i for s in sources for i in s.ids} - done))
-        res.rows += len(written)
-        res.files_in += len(sources)
-        for s in sources:
-            s.close()
-            if s.bad:
-                res.problems.append(f"{s.path.name}: {'; '.join(s.bad)} (moved aside as .corrupt)")
-                _set_aside(s.path)
-            else:
-                self.fs.delete(s.path)
-                if s.level == 0:
-                    res.merged_parts.append(s.ids[0])
-        if not written:
-            self.fs.delete(path)
-            return None
-        return Source(path, written, open_parquet(path), level)
+        return compact(self, keymap, key, part_ids, everything, cancel, fanout)
