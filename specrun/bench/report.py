@@ -70,6 +70,8 @@ def _run_row(name: str, kind: str, ms: list[Measurement], by_name: dict) -> dict
         for key in ("expected_acceptance", "observed_acceptance"):  # sampled: drafted mass vs accepted, per node
             vals = [s[key] for s in st if isinstance(s.get(key), (int, float))]
             row[key] = _median(vals)
+        row["likeliest_share"] = st[0].get("likeliest_share")  # sampled: the text's drafting ceiling (first repeat)
+        row["oracle_accepted"] = st[0].get("oracle_accepted")
         row["phase_fraction"], row["outside_forward_fraction"], row["prefill_seconds"] = _phases(ms)
     else:
         row["mean_accepted"] = None
@@ -214,6 +216,10 @@ def render(report: dict, console) -> None:
     for r in sampled:
         console.print(f"{r['name']}: drafted children's probability mass {r['expected_acceptance']:.3f} vs observed "
                       f"acceptance {r['observed_acceptance']:.3f} per path node (must agree)")
+    for r in (r for r in spec if r.get("oracle_accepted")):
+        chains = ", ".join(f"depth {d}: {v:.2f}" for d, v in r["oracle_accepted"].items())
+        console.print(f"{r['name']}: {r['likeliest_share']:.1%} of the sampled tokens were their row's likeliest; a "
+                      f"drafter of chains of the likeliest tokens would accept per step at most {chains}")
     if report.get("lengths"):
         lt = Table(title="by generated length: tok/s to reach it (x hf_ar, x specrun_ar); segment x specrun_ar")
         lt.add_column("run")

@@ -25,7 +25,7 @@ from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.shadow import Shadow, shadowable
 from specrun.decoding.stats import GenStats
-from specrun.decoding.trie import Trie, build_trie, coupled, drafted_mass, walk
+from specrun.decoding.trie import Trie, build_trie, coupled, drafted_mass, likeliest, walk
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,8 @@ class BatchEngine:
             if not st.params.greedy and trie.size > 1 and not coupled(trie, self._coupled):  # as the solo engine
                 a.stats.record_acceptance(*drafted_mass(trie, processed, path))
             emitted = st.stop_rules(choice[path].tolist())
+            if not st.params.greedy:  # the text's ceiling for drafting (stats.ORACLE_DEPTHS)
+                a.stats.record_likeliest(likeliest(processed, choice, path)[: len(emitted)])
             nodes = path.tolist()
         with a.stats.time("commit"):
             a.pages.commit(path[: len(emitted)])

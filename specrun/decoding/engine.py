@@ -28,7 +28,7 @@ from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.shadow import Shadow, shadowable
-from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, coupled, drafted_mass, walk
+from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, coupled, drafted_mass, likeliest, walk
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -177,6 +177,8 @@ class Engine:
                 if not params.greedy and trie.size > 1 and not coupled(trie, self._coupled):
                     stats.record_acceptance(*drafted_mass(trie, processed, path))
                 emitted = st.stop_rules(choice[path].tolist())
+                if not params.greedy:  # the text's ceiling for drafting (stats.ORACLE_DEPTHS)
+                    stats.record_likeliest(likeliest(processed, choice, path)[: len(emitted)])
                 nodes = path.tolist()
             with stats.time("commit"):
                 self.runner.cache.commit(path[: len(emitted)])  # K/V of root..(k-1)th accepted node

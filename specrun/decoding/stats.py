@@ -2,8 +2,9 @@
 
 alpha: mean share of the deepest offered draft path accepted per step; beta: share of steps whose accepted path
 includes an n-gram node (TokenSwift's acceptance and n-gram acceptance). Sampled steps: expected acceptance (drafted
-children's probability mass) beside the observed one, per path node with children. Counters only, cheap every step;
-snapshot() copies the cumulative ones so a checkpointer can tell what happened between two checkpoints.
+children's probability mass) beside the observed one, per path node with children, and the ceiling any drafter has
+on this text (ORACLE_DEPTHS). Counters only, cheap every step; snapshot() copies the cumulative ones so a checkpointer
+can tell what happened between two checkpoints.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from contextlib import contextmanager
 
 PHASES = ("prefill", "draft", "trie", "forward", "walk", "commit", "update")
 LENGTH_BUCKET = 512  # acceptance is also kept per bucket of generated length (drafting changes as the text grows)
+# Sampled text: tokens per step of an oracle drafter that always drafts a chain of AR's most likely tokens this deep;
+# it is accepted exactly while the sampled tokens are the likeliest, so no chain drafter of that depth does better
+ORACLE_DEPTHS = (1, 2, 4, 8)
 
 
 class GenStats:
@@ -30,6 +34,9 @@ class GenStats:
         self.kv_rebuilds = 0
         self.expected_sum = self.observed_sum = 0.0  # sampled steps: drafted children's mass vs accepted (per node)
         self.accept_nodes = 0
+        self.likeliest = 0  # sampled tokens that were their row's most likely token (of self.sampled_tokens)
+        self.sampled_tokens = 0
+        self.oracle = {d: [0, 0] for d in ORACLE_DEPTHS}  # depth -> [steps so far, depth reached in the open step]
         self.buckets: dict[int, list] = {}  # bucket index -> [steps, tokens, Counter of tokens by drafter]
         self.phase = dict.fromkeys(PHASES, 0.0)
         self.t0 = time.perf_counter()
@@ -67,6 +74,22 @@ class GenStats:
             self.expected_sum += float(expected.sum())
             self.observed_sum += float(observed.sum())
 
+    def record_likeliest(self, matches: list[bool]) -> None:
+        """Per sampled token in emission order: was it its row's most likely token. Steps the oracle chains."""
+        for m in matches:
+            self.sampled_tokens += 1
+            self.likeliest += m
+            for d, state in self.oracle.items():
+                if state[1] == 0:  # this token opens an oracle step (its root's row sampled it)
+                    state[0] += 1
+                state[1] = state[1] + 1 if m and state[1] < d else 0  # a drafted likeliest token went on, or it ends
+
+    def oracle_accepted(self) -> dict[str, float] | None:
+        """Sampled text: tokens per step of the oracle chain of each depth (None when nothing was sampled)."""
+        if not self.sampled_tokens:
+            return None
+        return {str(d): self.sampled_tokens / steps for d, (steps, _) in self.oracle.items()}
+
     def snapshot(self) -> dict:
         """The cumulative counters a timeline row is the difference of (O(drafters + phases + widths), not O(steps))."""
         return {"steps": self.steps, "tokens": self.new_tokens, "by_drafter": dict(self.by_drafter),
@@ -91,6 +114,8 @@ class GenStats:
             "acceptance_nodes": self.accept_nodes,
             "expected_acceptance": self.expected_sum / self.accept_nodes if self.accept_nodes else None,
             "observed_acceptance": self.observed_sum / self.accept_nodes if self.accept_nodes else None,
+            "likeliest_share": self.likeliest / self.sampled_tokens if self.sampled_tokens else None,
+            "oracle_accepted": self.oracle_accepted(),
             "phase_seconds": {k: round(v, 6) for k, v in self.phase.items()},
             "seconds": seconds,
             "tokens_per_s": self.new_tokens / seconds if seconds > 0 else 0.0,

@@ -128,3 +128,11 @@ def drafted_mass(trie: Trie, processed: torch.Tensor, path: torch.Tensor) -> tup
     probs = processed[path[has]].softmax(dim=-1)  # [N, V]
     mass = (probs[:, trie.tokens] * children[has]).sum(dim=1)  # [N]
     return mass, went_on[has].to(mass.dtype)
+
+
+def likeliest(processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor) -> list[bool]:
+    """Per node on the accepted path: was AR's sampled token its row's most likely one (what an oracle drafts).
+
+    # processed: [T, V], choice: [T] long, path: [A] long -> [A] bools
+    """
+    return (processed[path].argmax(dim=-1) == choice[path]).tolist()
