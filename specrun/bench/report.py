@@ -70,7 +70,7 @@ def _run_row(name: str, kind: str, ms: list[Measurement], by_name: dict) -> dict
         for key in ("expected_acceptance", "observed_acceptance"):  # sampled: drafted mass vs accepted, per node
             vals = [s[key] for s in st if isinstance(s.get(key), (int, float))]
             row[key] = _median(vals)
-        row["likeliest_share"] = st[0].get("likeliest_share")  # sampled: the text's drafting ceiling (first repeat)
+        row["likeliest_share"] = st[0].get("likeliest_share")  # sampled: the likeliest-chain oracle (first repeat)
         row["oracle_accepted"] = st[0].get("oracle_accepted")
         row["phase_fraction"], row["outside_forward_fraction"], row["prefill_seconds"] = _phases(ms)
     else:
@@ -218,8 +218,8 @@ def render(report: dict, console) -> None:
                       f"acceptance {r['observed_acceptance']:.3f} per path node (must agree)")
     for r in (r for r in spec if r.get("oracle_accepted")):
         chains = ", ".join(f"depth {d}: {v:.2f}" for d, v in r["oracle_accepted"].items())
-        console.print(f"{r['name']}: {r['likeliest_share']:.1%} of the sampled tokens were their row's likeliest; a "
-                      f"drafter of chains of the likeliest tokens would accept per step at most {chains}")
+        console.print(f"{r['name']} (first repeat): {r['likeliest_share']:.1%} of the sampled tokens were their row's "
+                      f"likeliest; drafting chains of the likeliest tokens would give tokens per step {chains}")
     if report.get("lengths"):
         lt = Table(title="by generated length: tok/s to reach it (x hf_ar, x specrun_ar); segment x specrun_ar")
         lt.add_column("run")

@@ -199,7 +199,7 @@ class BatchEngine:
             if not st.params.greedy and trie.size > 1 and not coupled(trie, self._coupled):  # as the solo engine
                 a.stats.record_acceptance(*drafted_mass(trie, processed, path))
             emitted = st.stop_rules(choice[path].tolist())
-            if not st.params.greedy:  # the text's ceiling for drafting (stats.ORACLE_DEPTHS)
+            if not st.params.greedy:  # what drafting the likeliest tokens would give (stats.ORACLE_DEPTHS)
                 a.stats.record_likeliest(likeliest(processed, choice, path)[: len(emitted)])
             nodes = path.tolist()
         with a.stats.time("commit"):

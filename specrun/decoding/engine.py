@@ -177,7 +177,7 @@ class Engine:
                 if not params.greedy and trie.size > 1 and not coupled(trie, self._coupled):
                     stats.record_acceptance(*drafted_mass(trie, processed, path))
                 emitted = st.stop_rules(choice[path].tolist())
-                if not params.greedy:  # the text's ceiling for drafting (stats.ORACLE_DEPTHS)
+                if not params.greedy:  # what drafting the likeliest tokens would give (stats.ORACLE_DEPTHS)
                     stats.record_likeliest(likeliest(processed, choice, path)[: len(emitted)])
                 nodes = path.tolist()
             with stats.time("commit"):

@@ -2,9 +2,9 @@
 
 alpha: mean share of the deepest offered draft path accepted per step; beta: share of steps whose accepted path
 includes an n-gram node (TokenSwift's acceptance and n-gram acceptance). Sampled steps: expected acceptance (drafted
-children's probability mass) beside the observed one, per path node with children, and the ceiling any drafter has
-on this text (ORACLE_DEPTHS). Counters only, cheap every step; snapshot() copies the cumulative ones so a checkpointer
-can tell what happened between two checkpoints.
+children's probability mass) beside the observed one, per path node with children, and what drafting the likeliest
+tokens would have given on this text (ORACLE_DEPTHS). Counters only, cheap every step; snapshot() copies the cumulative
+ones so a checkpointer can tell what happened between two checkpoints.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from contextlib import contextmanager
 
 PHASES = ("prefill", "draft", "trie", "forward", "walk", "commit", "update")
 LENGTH_BUCKET = 512  # acceptance is also kept per bucket of generated length (drafting changes as the text grows)
-# Sampled text: tokens per step of an oracle drafter that always drafts a chain of AR's most likely tokens this deep;
-# it is accepted exactly while the sampled tokens are the likeliest, so no chain drafter of that depth does better
+# Sampled text: tokens per step of an oracle that drafts a chain this deep of AR's likeliest tokens (it is accepted
+# while the text goes on with them). A reference for what good drafts give, not a ceiling: a less likely first token
+# can lead to a surer continuation, and a tree drafts several
 ORACLE_DEPTHS = (1, 2, 4, 8)
 
 
