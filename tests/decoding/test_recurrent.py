@@ -67,6 +67,21 @@ def test_coupled_scores_pick_the_token_ar_samples(lm):
         assert int(scores.argmax()) == out[k] == int(st.choose(trie, eng.runner.logits(h))[0][0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_drafting_step_is_the_trained_module(lm, trained, dtype):
+    """DraftWeights.step (prepacked matrices, one norm pass) computes the drafter module's g."""
+    drafter = load_drafter(trained[0], lm).to(dtype)
+    w = DraftWeights(drafter, lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
+    g = torch.Generator().manual_seed(1)
+    for R in (1, 4):
+        s, e = (torch.randn(R, drafter.hidden_size, generator=g).to(dtype) for _ in range(2))
+        with torch.inference_mode():
+            want, got = drafter(s, e), w.step(s, e)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert not torch.equal(want, s)  # trained: g moved the state, so the check is not vacuous
+
+
 def test_draft_tree_is_best_first_and_within_budget(lm, trained):
     w = DraftWeights(load_drafter(trained[0], lm), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
     h = torch.randn(lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -89,19 +104,18 @@ def test_a_drafter_that_knows_the_model_drafts_ars_own_tokens(load_fixture):
     seq = prompt + out
     H = hidden_states(lm.model, torch.tensor([seq]))[0]  # [L, H]: H[i] chooses seq[i + 1]
 
-    class Oracle(torch.nn.Module):
+    class Oracle:  # stands in for DraftWeights.step
         def __init__(self, at: int):
-            super().__init__()
-            self.up, self.at = torch.nn.Linear(1, 1, dtype=torch.float64), at
+            self.at = at
 
-        def forward(self, s, e):
+        def __call__(self, s, e):
             self.at += 1
             return H[self.at][None].expand(s.shape[0], -1)
 
     w = DraftWeights(RecurrentDraft(8, 8, torch.arange(lm.vocab_size)), lm.model.get_input_embeddings(),
                      lm.model.get_output_embeddings())
     for root_pos in (len(prompt) - 1, len(prompt) + 9, len(prompt) + 30):
-        w.drafter = Oracle(root_pos - 1)
+        w.step = Oracle(root_pos - 1)
         tokens, _ = draft_tree(w, H[root_pos - 1], seq[root_pos], root_pos, params, None, (1, 1, 1, 1), 4)
         assert tokens == seq[root_pos : root_pos + 5]
 
