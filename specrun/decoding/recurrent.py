@@ -49,8 +49,8 @@ class RecurrentDraft(nn.Module):
 class DraftWeights:
     """What drafting reads, prepared once per model: the drafter, the embedding, and the LM head rows of its vocab.
 
-    step() is the drafter's g with prepacked matrices and one norm pass for both inputs: a level's matmuls and norms
-    ran ~0.6 ms through the nn.Module (bf16 F.linear reorders its weight at every call) against a 25 ms target step.
+    step() is the drafter's g with prepacked matrices and one norm pass for both inputs: on smollm2's drafter a level's
+    g took 246 us through the nn.Module (bf16 F.linear reorders its weights at every call), 171 us here.
     """
 
     def __init__(self, drafter: RecurrentDraft, embed: nn.Module, lm_head: nn.Module):
