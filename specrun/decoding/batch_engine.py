@@ -25,7 +25,7 @@ from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.shadow import Shadow, shadowable
 from specrun.decoding.stats import GenStats
-from specrun.decoding.trie import Trie, build_trie, coupled, drafted_mass, likeliest, walk
+from specrun.decoding.trie import Trie, build_trie, record_sampled, walk
 
 
 @dataclass(frozen=True)
@@ -196,11 +196,9 @@ class BatchEngine:
         with a.stats.time("walk"):
             choice, processed = st.choose(trie, logits)
             path = walk(trie, choice)
-            if not st.params.greedy and trie.size > 1 and not coupled(trie, self._coupled):  # as the solo engine
-                a.stats.record_acceptance(*drafted_mass(trie, processed, path))
             emitted = st.stop_rules(choice[path].tolist())
-            if not st.params.greedy:  # what drafting the likeliest tokens would give (stats.ORACLE_DEPTHS)
-                a.stats.record_likeliest(likeliest(processed, choice, path)[: len(emitted)])
+            if not st.params.greedy:  # as the solo engine
+                record_sampled(a.stats, trie, processed, choice, path, len(emitted), self._coupled)
             nodes = path.tolist()
         with a.stats.time("commit"):
             a.pages.commit(path[: len(emitted)])

@@ -28,7 +28,7 @@ from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.shadow import Shadow, shadowable
-from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, coupled, drafted_mass, likeliest, walk
+from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, record_sampled, walk
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -172,13 +172,9 @@ class Engine:
             with stats.time("walk"):
                 choice, processed = st.choose(trie, logits)
                 path = walk(trie, choice)
-                # sampled: the chance each drafted branch had, vs what happened (drafts that read AR's own noise are
-                # accepted more often than their mass by design: such tries are left out of this check)
-                if not params.greedy and trie.size > 1 and not coupled(trie, self._coupled):
-                    stats.record_acceptance(*drafted_mass(trie, processed, path))
                 emitted = st.stop_rules(choice[path].tolist())
-                if not params.greedy:  # what drafting the likeliest tokens would give (stats.ORACLE_DEPTHS)
-                    stats.record_likeliest(likeliest(processed, choice, path)[: len(emitted)])
+                if not params.greedy:  # drafted mass vs what happened, and the likeliest-chain oracle
+                    record_sampled(stats, trie, processed, choice, path, len(emitted), self._coupled)
                 nodes = path.tolist()
             with stats.time("commit"):
                 self.runner.cache.commit(path[: len(emitted)])  # K/V of root..(k-1)th accepted node

@@ -136,3 +136,12 @@ def likeliest(processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor)
     # processed: [T, V], choice: [T] long, path: [A] long -> [A] bools
     """
     return (processed[path].argmax(dim=-1) == choice[path]).tolist()
+
+
+def record_sampled(stats, trie: Trie, processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor, emitted: int,
+                   coupled_sources: list[int]) -> None:
+    """A sampled step's checks into its GenStats: drafted mass against acceptance (left out for tries drafted with
+    AR's own noise, accepted beyond their mass by design) and the likeliest-chain oracle over the `emitted` tokens."""
+    if trie.size > 1 and not coupled(trie, coupled_sources):
+        stats.record_acceptance(*drafted_mass(trie, processed, path))
+    stats.record_likeliest(likeliest(processed, choice, path)[:emitted])
