@@ -24,7 +24,9 @@ from specrun.storage.chunks import _NAME
 
 ray = pytest.importorskip("ray")
 LINES = [{"id": "a", "prompt": "first"}, {"id": "b", "prompt": "second one"}, {"id": "c", "prompt": "3"}]
-SAMPLING = ["--max-tokens", "120", "--temperature", "1.0", "--seed", "9", "--ignore-eos", "--dtype", "float32"]
+# long enough that a run interrupted at its first checkpoint is still generating when the stop reaches the workers
+# (at 120 tokens a run once finished every prompt first and exited 0)
+SAMPLING = ["--max-tokens", "400", "--temperature", "1.0", "--seed", "9", "--ignore-eos", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module", autouse=True)
