@@ -69,7 +69,7 @@ def test_coupled_scores_pick_the_token_ar_samples(lm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_drafting_step_is_the_trained_module(lm, trained, dtype):
-    """DraftWeights.step (prepacked matrices, one norm pass) computes the drafter module's g."""
+    """DraftWeights.step (prepacked matrices) computes the drafter module's g."""
     drafter = load_drafter(trained[0], lm).to(dtype)
     w = DraftWeights(drafter, lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
     g = torch.Generator().manual_seed(1)
