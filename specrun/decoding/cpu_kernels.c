@@ -6,6 +6,7 @@
  * on which rows run beside it.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define R 4        /* weight rows per group: four independent accumulators per input row */
@@ -62,4 +63,50 @@ void gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y
             if (M - m >= 2) group_1_2(x + m * K, w + (long)n0 * K, b, y + m * N, N, K, n0);
             else group_1_1(x + m * K, w + (long)n0 * K, b, y + m * N, N, K, n0);
         }
+}
+
+/* Attention of T new query rows over a head-major KV cache whose slots [0, start + T) hold the prefix and the new
+ * tokens: row t sees every prefix slot and the new slots j with mask[t, j] (mask NULL: T == 1, the row sees itself).
+ * Scores, softmax and the weighted sum of values in float32, the output rounded to bf16 once. Each (head, row) is
+ * computed alone and in one order: a row's output does not depend on the other rows or the thread count.
+ *
+ * q, out: [T, Hq, D] bf16; k, v: [Hkv, cap, D] bf16; mask: [T, T] bytes or NULL; scores: [Hq * T, start + T] float32
+ * scratch. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
+void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask, uint16_t *out,
+                 long T, long Hq, long Hkv, long D, long start, float scale, float *scores, int threads) {
+    long S = start + T, G = Hq / Hkv;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long item = 0; item < Hq * T; item++) {
+        long h = item / T, t = item % T;
+        const uint16_t *qr = q + (t * Hq + h) * D;
+        const uint16_t *kh = k + (h / G) * cap * D, *vh = v + (h / G) * cap * D;
+        float *sc = scores + item * S, top = -INFINITY, total = 0.0f;
+        for (long s = 0; s < S; s++) {
+            if (s >= start && mask != NULL && !mask[t * T + (s - start)]) {
+                sc[s] = -INFINITY;
+                continue;
+            }
+            __m512 acc = _mm512_setzero_ps();
+            for (long d = 0; d < D; d += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kh + s * D + d),
+                                       (__m512bh)_mm512_loadu_si512(qr + d));
+            sc[s] = _mm512_reduce_add_ps(acc) * scale;
+            top = sc[s] > top ? sc[s] : top;
+        }
+        for (long s = 0; s < S; s++) {
+            sc[s] = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - top);
+            total += sc[s];
+        }
+        __m512 o[16];  /* D / 16 float32 lanes of the output row */
+        for (long d = 0; d < D / 16; d++) o[d] = _mm512_setzero_ps();
+        for (long s = 0; s < S; s++) {
+            if (sc[s] == 0.0f) continue;
+            __m512 p = _mm512_set1_ps(sc[s]);
+            for (long d = 0; d < D / 16; d++)
+                o[d] = _mm512_fmadd_ps(p, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vh + s * D + d * 16))), o[d]);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / total);
+        for (long d = 0; d < D / 16; d++)
+            _mm256_storeu_si256((__m256i *)(out + (t * Hq + h) * D + d * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[d], inv)));
+    }
 }

@@ -1,4 +1,4 @@
-"""Our own CPU kernels (cpu_kernels.c: bf16 matrix-vector products with AVX-512 BF16), compiled once per machine.
+"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 matrix-vector products and attention, compiled once per machine.
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -21,6 +21,10 @@ from specrun.models.cache import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+# most rows (tokens of a forward) the kernels take: AR steps and 2-node verifies. From 4 rows on, oneDNN's prepacked
+# GEMM is as fast (measured on smollm2 shapes) and torch's SDPA faster: these kernels reduce each (row, key) alone
+NARROW_ROWS = 2
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -46,7 +50,7 @@ def build(source: Path, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, *LIBS], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-500:]}")
         os.replace(tmp, final)
@@ -62,6 +66,10 @@ class CpuKernels:
         self._gemv = lib.gemv_bf16
         self._gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         self._gemv.restype = None
+        self._attend = lib.attend_bf16
+        self._attend.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
+                                 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+        self._attend.restype = None
 
     def gemv_bf16(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """# x: [M, K] bf16, w: [N, K] bf16, b: [N] float32 or None -> [M, N] bf16 (float32 accumulation)"""
@@ -70,6 +78,30 @@ class CpuKernels:
         self._gemv(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), M, N, K,
                    torch.get_num_threads())
         return y
+
+
+    @staticmethod
+    def attends(head_dim: int, n_q: int, n_kv: int) -> bool:
+        """Whether attend_bf16 takes these shapes."""
+        return head_dim % 32 == 0 and head_dim <= 256 and n_q % n_kv == 0
+
+    def attend_bf16(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+        """Rows of q attend the slots [0, start) of k/v and the new slots [start, start + T) under mask.
+
+        # q: [T, Hq, D] bf16, k/v: [Hkv, cap, D] bf16 (one layer of the cache), mask: [T, T] bool or None (T == 1)
+        # -> [T, Hq, D] bf16
+        """
+        q = q.contiguous()
+        T, Hq, D = q.shape
+        Hkv, cap = k.shape[0], k.shape[1]
+        assert k.is_contiguous() and v.is_contiguous() and (mask is not None or T == 1)
+        mask = None if mask is None else mask.contiguous()
+        out = torch.empty_like(q)
+        scores = torch.empty((Hq * T, start + T), dtype=torch.float32)
+        self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
+                     out.data_ptr(), T, Hq, Hkv, D, start, scale, scores.data_ptr(), torch.get_num_threads())
+        return out
 
 
 @functools.cache

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.cpu_kernels import cpu_kernels
-
-GEMV_ROWS = 2  # most rows our kernel takes; from 4 rows on oneDNN's prepacked kernel is as fast or faster (measured)
+from specrun.decoding.cpu_kernels import NARROW_ROWS, cpu_kernels
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -52,7 +50,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """# x: [..., K] -> [..., N]"""
         rows = x.reshape(-1, x.shape[-1])
-        if self._kernels is not None and rows.shape[0] <= GEMV_ROWS and x.dtype == torch.bfloat16:
+        if self._kernels is not None and rows.shape[0] <= NARROW_ROWS and x.dtype == torch.bfloat16:
             y = self._kernels.gemv_bf16(rows, self.weight, self._bias32)
         elif self._packed is None:
             return F.linear(x, self.weight, self.bias)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specrun.decoding.attention import ForwardContext
+from specrun.decoding.cpu_kernels import CpuKernels, cpu_kernels
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.kv_cache import KVCache
 
@@ -32,6 +33,9 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.mask_buf: torch.Tensor | None = None  # [max_rows, capacity] bool, all True outside a forward
         self.queries: list[torch.Tensor] = []  # per layer q [Hq, T, D] of the last forward that captured them
+        on_cpu_bf16 = lm.device.type == "cpu" and lm.dtype == torch.bfloat16 and backend == "sdpa"
+        fits = CpuKernels.attends(self.head_dim, cfg.num_attention_heads, self.n_kv_heads)
+        self.kernels = cpu_kernels() if on_cpu_bf16 and fits else None  # attention of the sdpa backend
 
     def reset(self, capacity: int) -> None:
         """Empty the cache, growing buffers if this generation needs more slots."""
@@ -63,7 +67,8 @@ class ModelRunner:
         if select is None:
             block = self.mask_buf[:T, start : start + T]
             block.copy_(tree_mask)
-            ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T], queries=queries, backend=self.backend)
+            ctx = ForwardContext(self.cache, start, self.mask_buf[:T, : start + T], queries=queries, backend=self.backend,
+                                 kernels=self.kernels)
         else:
             ctx = ForwardContext(self.cache, start, None, select=select, queries=queries, backend=self.backend)
         try:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import specrun.decoding.cpu_kernels as ck
-from specrun.decoding.linear import GEMV_ROWS, Linear
+from specrun.decoding.cpu_kernels import NARROW_ROWS
+from specrun.decoding.linear import Linear
 
 kernels = ck.cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
@@ -50,10 +51,10 @@ def test_a_row_does_not_depend_on_its_neighbours_or_the_threads():
 
 @needs_kernels
 def test_linear_takes_the_kernel_for_narrow_inputs_only():
-    x, w, _ = _operands(GEMV_ROWS + 2, 96, 64, False, seed=2)
+    x, w, _ = _operands(NARROW_ROWS + 2, 96, 64, False, seed=2)
     b = torch.randn(96).bfloat16()
     lin = Linear(w, b)
-    narrow = x[:GEMV_ROWS]
+    narrow = x[:NARROW_ROWS]
     assert torch.equal(lin(narrow), kernels.gemv_bf16(narrow, w, b.float()))
     assert torch.equal(lin(narrow[None])[0], lin(narrow))  # leading dims folded into rows
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-2, atol=1e-2)
@@ -89,3 +90,51 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == [first.name]
     src.write_text("int answer(void) { return 43; }\n")
     assert ck.build(src, tmp_path / "out") != first  # a changed source is a new library
+
+
+def _attention_reference(q, k, v, start, mask, scale):
+    """float64 softmax(q k^T) v over the prefix and the new slots mask lets a row see. # -> [T, Hq, D]"""
+    T, Hq, D = q.shape
+    G = Hq // k.shape[0]
+    out = torch.empty(T, Hq, D, dtype=torch.float64)
+    for t in range(T):
+        seen = torch.arange(start + T) < start
+        seen[start:] = torch.ones(T, dtype=torch.bool) if mask is None else mask[t]
+        for h in range(Hq):
+            keys, values = k[h // G, : start + T][seen].double(), v[h // G, : start + T][seen].double()
+            out[t, h] = torch.softmax(keys @ q[t, h].double() * scale, 0) @ values
+    return out
+
+
+def _cache(Hkv, cap, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(Hkv, cap, D, generator=g).bfloat16(), torch.randn(Hkv, cap, D, generator=g).bfloat16()
+
+
+@needs_kernels
+@pytest.mark.parametrize("Hq,Hkv,D,start", [(9, 3, 64, 37), (4, 4, 32, 0), (8, 2, 128, 300)])
+@pytest.mark.parametrize("mask", [None, [[1, 0], [1, 1]], [[1, 0], [0, 1]]])
+def test_attention_matches_float64_reference(Hq, Hkv, D, start, mask):
+    mask = None if mask is None else torch.tensor(mask, dtype=torch.bool)
+    T = 1 if mask is None else mask.shape[0]
+    k, v = _cache(Hkv, start + T + 5, D, seed=start)  # 5 spare slots past the new tokens: never read
+    k[:, start + T :] = v[:, start + T :] = float("nan")
+    q = torch.randn(T, Hq, D, generator=torch.Generator().manual_seed(7)).bfloat16()
+    out = kernels.attend_bf16(q, k, v, start, mask, D**-0.5)
+    assert out.shape == (T, Hq, D) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, start, mask, D**-0.5), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernels
+def test_attention_row_is_the_same_alone_or_beside_another():
+    k, v = _cache(3, 64, 64, seed=3)
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    both = kernels.attend_bf16(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125)
+    assert torch.equal(kernels.attend_bf16(q[:1], k, v, 40, None, 0.125), both[:1])  # row 0 sees 40 + its own slot
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.attend_bf16(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125),
+                           both)
+    finally:
+        torch.set_num_threads(threads)
