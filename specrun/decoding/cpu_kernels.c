@@ -1,112 +1,146 @@
-/* bf16 matrix-vector products for the decode step on x86 CPUs with AVX-512 BF16 (cpu_kernels.py compiles and loads
- * this file). A decode step streams every weight once: the kernel is bound by memory reads, so it prefetches whole
- * weight rows ahead and keeps the arithmetic (vdpbf16ps, float32 accumulation) out of the way.
- *
- * Each output element is reduced in the same order whatever M and the thread count: a row's result does not depend
- * on which rows run beside it.
+/* bf16 linear layers and attention for the decode step on x86 CPUs with AVX-512 BF16 (cpu_kernels.py compiles and
+ * loads this file). float32 accumulation (vdpbf16ps), results rounded to bf16 once. Every output is computed alone and
+ * in one order: a row's result does not depend on which rows run beside it, nor on the thread count.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#define R 4        /* weight rows per group: four independent accumulators per input row */
-#define AHEAD 16   /* weight rows prefetched ahead of the group being read (measured best of 8 / 16 / 32) */
+#define ROWS 8  /* input rows per pass over a column block: 8 accumulators (measured as fast as 16) */
 
-static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's float -> bfloat16 */
-    __m128bh r = _mm_cvtneps_pbh(_mm_set1_ps(f));
-    return ((uint16_t *)&r)[0];
-}
-
-/* y[m, n0 .. n0+RN) for MB input rows; w0 = w + n0 * K. int indices: a first variant with long ones ran ~20% slower
- * here (measured side by side; the cause not found) */
-#define GROUP(RN, MB)                                                                                              \
-    static inline __attribute__((always_inline)) void group_##RN##_##MB(                                           \
-        const uint16_t *x, const uint16_t *w0, const float *b, uint16_t *y, int N, int K, int n0) {                \
-        __m512 acc[RN][MB];                                                                                        \
-        for (int j = 0; j < RN; j++)                                                                               \
-            for (int m = 0; m < MB; m++) acc[j][m] = _mm512_setzero_ps();                                          \
-        for (int k = 0; k < K; k += 32) {                                                                          \
-            __mmask32 live = K - k >= 32 ? 0xffffffffu : (1u << (K - k)) - 1;                                      \
-            __m512bh wv[RN];                                                                                       \
-            for (int j = 0; j < RN; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(live, w0 + j * K + k);         \
+/* Weights are packed once (cpu_kernels.py pack) as [ceil(N/16), K/2, 16, 2]: block nb, pair kp holds, for its 16
+ * output columns, the weights of inputs 2kp and 2kp+1, so one 64-byte load feeds vdpbf16ps against a broadcast pair of
+ * x: the 16 lanes are 16 outputs and no horizontal sums are needed. Memory-bound at 1-2 rows (reads the packed
+ * weights once, prefetching the next block), compute-bound from ~8 rows (as fast as oneDNN, measured up to 256). */
+#define BLOCK(MB)                                                                                                  \
+    static inline __attribute__((always_inline)) void block_##MB(const uint16_t *x, const uint16_t *pb,            \
+                                                                 const float *b, uint16_t *y, int N, int K, int n0) { \
+        __m512 acc[MB];                                                                                            \
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                 \
+        for (int kp = 0; kp < K / 2; kp++) {                                                                       \
+            __m512bh w = (__m512bh)_mm512_loadu_si512(pb + kp * 32);                                               \
             for (int m = 0; m < MB; m++) {                                                                         \
-                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + (long)m * K + k);                       \
-                for (int j = 0; j < RN; j++) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], wv[j], xv);                   \
+                int32_t pair;                                                                                      \
+                __builtin_memcpy(&pair, x + (long)m * K + 2 * kp, 4);                                              \
+                acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));                           \
             }                                                                                                      \
         }                                                                                                          \
-        for (int m = 0; m < MB; m++)                                                                               \
-            for (int j = 0; j < RN; j++)                                                                           \
-                y[(long)m * N + n0 + j] = to_bf16(_mm512_reduce_add_ps(acc[j][m]) + (b ? b[n0 + j] : 0.0f));     \
+        __mmask16 live = N - n0 >= 16 ? 0xffff : (1u << (N - n0)) - 1;                                             \
+        for (int m = 0; m < MB; m++) {                                                                             \
+            __m512 r = b ? _mm512_add_ps(acc[m], _mm512_maskz_loadu_ps(live, b + n0)) : acc[m];                    \
+            _mm256_mask_storeu_epi16(y + (long)m * N + n0, live, (__m256i)_mm512_cvtneps_pbh(r));                  \
+        }                                                                                                          \
     }
-GROUP(4, 1)
-GROUP(4, 2)
-GROUP(1, 1)
-GROUP(1, 2)
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
 
-/* y[M, N] = x[M, K] w[N, K]^T (+ b[N]); x, w, y bfloat16 (as uint16), b float32 or NULL; all contiguous;
- * N * K < 2^31 */
-void gemv_bf16(const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, long M, long N, long K,
+/* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), p: W packed as above, b float32 or NULL; K even; every
+ * output is its column's pairs summed in order, so a row's result does not depend on M or the thread count */
+void gemv_bf16(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K,
                int threads) {
-    int full = N / R * R;
+    int blocks = (N + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n0 = 0; n0 < full; n0 += R) {
-        const uint16_t *w0 = w + (long)n0 * K;
-        for (int byte = 0; byte < R * K * 2; byte += 64)  /* never faults, even past the end of w */
-            _mm_prefetch((const char *)(w0 + AHEAD * K) + byte, _MM_HINT_T0);
-        for (int m = 0; m < M; m += 2) {
-            if (M - m >= 2) group_4_2(x + m * K, w0, b, y + m * N, N, K, n0);
-            else group_4_1(x + m * K, w0, b, y + m * N, N, K, n0);
+    for (int nb = 0; nb < blocks; nb++) {
+        const uint16_t *pb = p + (long)nb * 16 * K;
+        for (int byte = 0; byte < 32 * K; byte += 64)  /* the next block; a prefetch never faults, even past the end */
+            _mm_prefetch((const char *)(pb + 16 * K) + byte, _MM_HINT_T0);
+        for (long m = 0; m < M; m += ROWS) {
+            const uint16_t *xm = x + m * K;
+            uint16_t *ym = y + m * N;
+            switch (M - m < ROWS ? M - m : ROWS) {
+            case 1: block_1(xm, pb, b, ym, N, K, nb * 16); break;
+            case 2: block_2(xm, pb, b, ym, N, K, nb * 16); break;
+            case 3: block_3(xm, pb, b, ym, N, K, nb * 16); break;
+            case 4: block_4(xm, pb, b, ym, N, K, nb * 16); break;
+            case 5: block_5(xm, pb, b, ym, N, K, nb * 16); break;
+            case 6: block_6(xm, pb, b, ym, N, K, nb * 16); break;
+            case 7: block_7(xm, pb, b, ym, N, K, nb * 16); break;
+            default: block_8(xm, pb, b, ym, N, K, nb * 16);
+            }
         }
     }
-    for (int n0 = full; n0 < N; n0++)  /* the last N % 4 rows */
-        for (int m = 0; m < M; m += 2) {
-            if (M - m >= 2) group_1_2(x + m * K, w + (long)n0 * K, b, y + m * N, N, K, n0);
-            else group_1_1(x + m * K, w + (long)n0 * K, b, y + m * N, N, K, n0);
-        }
+}
+
+/* exp of 16 floats: Cephes' expf polynomial after range reduction, scaled by 2^n (max relative error ~2 float32 ulp) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* Attention of T new query rows over a head-major KV cache whose slots [0, start + T) hold the prefix and the new
  * tokens: row t sees every prefix slot and the new slots j with mask[t, j] (mask NULL: T == 1, the row sees itself).
- * Scores, softmax and the weighted sum of values in float32, the output rounded to bf16 once. Each (head, row) is
- * computed alone and in one order: a row's output does not depend on the other rows or the thread count.
  *
- * q, out: [T, Hq, D] bf16; k, v: [Hkv, cap, D] bf16; mask: [T, T] bytes or NULL; scores: [Hq * T, start + T] float32
- * scratch. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
+ * Per KV head, its G * T query rows (t, g) go 16 to a block, one per lane: a key's 16 scores are one vdpbf16ps chain
+ * over the key's broadcast pairs against the block's queries packed as pairs (the layout of gemv_bf16), so no
+ * horizontal sums; softmax in float32 across keys per lane; then each row's weighted sum of values. Each lane does
+ * the same operations in the same order whatever shares its block.
+ *
+ * q, out: [T, Hq, D] bf16; k, v: [Hkv, cap, D] bf16; mask: [T, T] bytes or NULL; scratch: Hkv * ceil(G*T/16) *
+ * (start + T) * 16 float32. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
 void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask, uint16_t *out,
-                 long T, long Hq, long Hkv, long D, long start, float scale, float *scores, int threads) {
-    long S = start + T, G = Hq / Hkv;
+                 long T, long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {
+    long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long item = 0; item < Hq * T; item++) {
-        long h = item / T, t = item % T;
-        const uint16_t *qr = q + (t * Hq + h) * D;
-        const uint16_t *kh = k + (h / G) * cap * D, *vh = v + (h / G) * cap * D;
-        float *sc = scores + item * S, top = -INFINITY, total = 0.0f;
+    for (long item = 0; item < Hkv * blocks; item++) {
+        long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
+        const uint16_t *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;
+        float *sc = scratch + item * S * 16;
+        uint32_t qp[128 * 16];  /* [D/2, 16] bf16 pairs of the block's queries; lane l = row r0 + l = (t, g) */
+        for (long l = 0; l < 16; l++) {
+            long r = r0 + l, t = r / G, h = kvh * G + r % G;
+            for (long dp = 0; dp < D / 2; dp++)
+                qp[dp * 16 + l] = l < used ? ((const uint32_t *)(q + (t * Hq + h) * D))[dp] : 0;
+        }
+        __mmask16 sees_new[16];  /* per new slot j: the lanes whose row sees it */
+        for (long j = 0; j < T; j++) {
+            sees_new[j] = 0;
+            for (long l = 0; l < used; l++)
+                if (mask == NULL || mask[((r0 + l) / G) * T + j]) sees_new[j] |= (__mmask16)(1u << l);
+        }
+        __m512 top = _mm512_set1_ps(-INFINITY);
         for (long s = 0; s < S; s++) {
-            if (s >= start && mask != NULL && !mask[t * T + (s - start)]) {
-                sc[s] = -INFINITY;
-                continue;
-            }
+            const uint32_t *kr = (const uint32_t *)(kh + s * D);
             __m512 acc = _mm512_setzero_ps();
-            for (long d = 0; d < D; d += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kh + s * D + d),
-                                       (__m512bh)_mm512_loadu_si512(qr + d));
-            sc[s] = _mm512_reduce_add_ps(acc) * scale;
-            top = sc[s] > top ? sc[s] : top;
+            for (long dp = 0; dp < D / 2; dp++)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qp + dp * 16), (__m512bh)_mm512_set1_epi32(kr[dp]));
+            acc = _mm512_mul_ps(acc, _mm512_set1_ps(scale));
+            if (s >= start) acc = _mm512_mask_blend_ps(sees_new[s - start], _mm512_set1_ps(-INFINITY), acc);
+            _mm512_storeu_ps(sc + s * 16, acc);
+            top = _mm512_max_ps(top, acc);
         }
+        __m512 total = _mm512_setzero_ps();
         for (long s = 0; s < S; s++) {
-            sc[s] = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - top);
-            total += sc[s];
+            __m512 x = _mm512_loadu_ps(sc + s * 16);
+            __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, top)));
+            _mm512_storeu_ps(sc + s * 16, e);
+            total = _mm512_add_ps(total, e);
         }
-        __m512 o[16];  /* D / 16 float32 lanes of the output row */
-        for (long d = 0; d < D / 16; d++) o[d] = _mm512_setzero_ps();
-        for (long s = 0; s < S; s++) {
-            if (sc[s] == 0.0f) continue;
-            __m512 p = _mm512_set1_ps(sc[s]);
+        float inv[16];
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+        for (long l = 0; l < used; l++) {  /* one row's weighted sum of values, keys in order */
+            __m512 o[16];
+            for (long d = 0; d < D / 16; d++) o[d] = _mm512_setzero_ps();
+            for (long s = 0; s < S; s++) {
+                float pr = sc[s * 16 + l];
+                if (pr == 0.0f) continue;
+                __m512 pv = _mm512_set1_ps(pr);
+                for (long d = 0; d < D / 16; d++)
+                    o[d] = _mm512_fmadd_ps(pv, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vh + s * D + d * 16))), o[d]);
+            }
+            long r = r0 + l, t = r / G, h = kvh * G + r % G;
             for (long d = 0; d < D / 16; d++)
-                o[d] = _mm512_fmadd_ps(p, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vh + s * D + d * 16))), o[d]);
+                _mm256_storeu_si256((__m256i *)(out + (t * Hq + h) * D + d * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[d], _mm512_set1_ps(inv[l]))));
         }
-        __m512 inv = _mm512_set1_ps(1.0f / total);
-        for (long d = 0; d < D / 16; d++)
-            _mm256_storeu_si256((__m256i *)(out + (t * Hq + h) * D + d * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[d], inv)));
     }
 }

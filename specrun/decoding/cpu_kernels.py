@@ -22,9 +22,6 @@ from specrun.models.cache import cache_root
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
-# most rows (tokens of a forward) the kernels take: AR steps and 2-node verifies. From 4 rows on, oneDNN's prepacked
-# GEMM is as fast (measured on smollm2 shapes) and torch's SDPA faster: these kernels reduce each (row, key) alone
-NARROW_ROWS = 2
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -71,14 +68,35 @@ class CpuKernels:
                                  + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
         self._attend.restype = None
 
-    def gemv_bf16(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """# x: [M, K] bf16, w: [N, K] bf16, b: [N] float32 or None -> [M, N] bf16 (float32 accumulation)"""
-        x, M, (N, K) = x.contiguous(), x.shape[0], w.shape
-        y = torch.empty((M, N), dtype=torch.bfloat16)
-        self._gemv(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), M, N, K,
+    @staticmethod
+    def packs(weight: torch.Tensor) -> bool:
+        """Whether gemv_bf16 takes this weight: bf16 on the CPU, [N, K] with K even."""
+        return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
+            and weight.shape[1] % 2 == 0
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """The layout gemv_bf16 reads (cpu_kernels.c): column blocks of 16, input pairs innermost, zero-padded.
+
+        # weight: [N, K] bf16 -> [ceil(N/16), K/2, 16, 2]
+        """
+        N, K = weight.shape
+        blocks = -(-N // 16)
+        padded = weight.new_zeros((blocks * 16, K))
+        padded[:N] = weight
+        return padded.view(blocks, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def gemv_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ b) for W = the n-row weight `packed` came from; float32 accumulation, rounded to bf16 once.
+
+        # x: [M, K] bf16, packed: pack(W [n, K]), b: [n] float32 or None -> [M, n] bf16
+        """
+        x = x.contiguous()
+        M, K = x.shape
+        y = torch.empty((M, n), dtype=torch.bfloat16)
+        self._gemv(x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), M, n, K,
                    torch.get_num_threads())
         return y
-
 
     @staticmethod
     def attends(head_dim: int, n_q: int, n_kv: int) -> bool:
@@ -98,7 +116,8 @@ class CpuKernels:
         assert k.is_contiguous() and v.is_contiguous() and (mask is not None or T == 1)
         mask = None if mask is None else mask.contiguous()
         out = torch.empty_like(q)
-        scores = torch.empty((Hq * T, start + T), dtype=torch.float32)
+        blocks = -(-(Hq // Hkv) * T // 16)
+        scores = torch.empty((Hkv * blocks, start + T, 16), dtype=torch.float32)
         self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
                      out.data_ptr(), T, Hq, Hkv, D, start, scale, scores.data_ptr(), torch.get_num_threads())
         return out

@@ -1,8 +1,9 @@
 """Linear layers of the decode step: on CPU in bf16/fp16 the weight is reordered once into oneDNN's blocked layout.
 
 F.linear runs the same oneDNN kernel there but reorders the weight at every call: prepacked, 1-16 rows run 1.4-3x
-faster with the same results. In bf16 on CPUs with AVX-512 BF16, 1-2 rows (AR steps, narrow verifies) run our own
-kernel (cpu_kernels.c), which reads the weights ~1.5x faster still. Elsewhere (float32/64, CUDA) it is plain F.linear.
+faster with the same results. In bf16 on CPUs with AVX-512 BF16 our own kernel (cpu_kernels.c, its own packed copy
+instead of oneDNN's) runs every width: 1-2 rows read the weights ~1.4x faster than oneDNN, wider ones as fast, and a
+row's result does not depend on the others. Elsewhere (float32/64, CUDA) it is plain F.linear.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.cpu_kernels import NARROW_ROWS, cpu_kernels
+from specrun.decoding.cpu_kernels import CpuKernels, cpu_kernels
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -33,10 +34,12 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias  # [N, K], [N] or None
-        self._packed = prepack(weight)
-        on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.is_contiguous()
-        self._kernels = cpu_kernels() if on_cpu_bf16 else None
-        self._bias32 = None if bias is None or self._kernels is None else bias.float().contiguous()
+        self._kernels = cpu_kernels() if CpuKernels.packs(weight) else None
+        if self._kernels is not None:
+            self._packed, self._vnni = None, self._kernels.pack(weight.detach())
+            self._bias32 = None if bias is None else bias.detach().float().contiguous()
+        else:
+            self._packed, self._vnni = prepack(weight), None
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> Linear:
@@ -45,13 +48,13 @@ class Linear:
 
     @property
     def packed(self) -> bool:
-        return self._packed is not None
+        return self._packed is not None or self._vnni is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """# x: [..., K] -> [..., N]"""
         rows = x.reshape(-1, x.shape[-1])
-        if self._kernels is not None and rows.shape[0] <= NARROW_ROWS and x.dtype == torch.bfloat16:
-            y = self._kernels.gemv_bf16(rows, self.weight, self._bias32)
+        if self._vnni is not None and x.dtype == torch.bfloat16:
+            y = self._kernels.gemv_bf16(rows, self._vnni, self.weight.shape[0], self._bias32)
         elif self._packed is None:
             return F.linear(x, self.weight, self.bias)
         else:

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import specrun.decoding.cpu_kernels as ck
-from specrun.decoding.cpu_kernels import NARROW_ROWS
 from specrun.decoding.linear import Linear
 
 kernels = ck.cpu_kernels()
@@ -21,11 +20,12 @@ def _operands(M, N, K, bias, seed=0):
 
 
 @needs_kernels
-@pytest.mark.parametrize("M,N,K", [(1, 8, 32), (1, 97, 48), (2, 64, 576), (3, 7, 100), (2, 1, 1), (1, 4100, 1536)])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 97, 48), (2, 64, 576), (3, 7, 100), (2, 1, 2), (1, 4100, 1536),
+                                   (9, 40, 20), (17, 33, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_is_the_exact_product_rounded_once(M, N, K, bias):
     x, w, b = _operands(M, N, K, bias)
-    y = kernels.gemv_bf16(x, w, b)
+    y = kernels.gemv_bf16(x, kernels.pack(w), N, b)
     exact = x.double() @ w.double().T + (0 if b is None else b.double())  # [M, N]
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     # bf16 products are exact in float32; their float32 sum is off by at most K * 2^-24 * sum |x w|, and the final
@@ -37,28 +37,30 @@ def test_gemv_is_the_exact_product_rounded_once(M, N, K, bias):
 
 @needs_kernels
 def test_a_row_does_not_depend_on_its_neighbours_or_the_threads():
-    x, w, b = _operands(5, 203, 576, True, seed=1)
-    together = kernels.gemv_bf16(x, w, b)
-    for m in range(5):
-        assert torch.equal(kernels.gemv_bf16(x[m : m + 1], w, b), together[m : m + 1])
+    x, w, b = _operands(19, 203, 576, True, seed=1)
+    packed = kernels.pack(w)
+    together = kernels.gemv_bf16(x, packed, 203, b)  # rows in passes of 8: 8 + 8 + 3
+    for m in range(19):
+        assert torch.equal(kernels.gemv_bf16(x[m : m + 1], packed, 203, b), together[m : m + 1])
+    assert torch.equal(kernels.gemv_bf16(x[5:9], packed, 203, b), together[5:9])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.gemv_bf16(x, w, b), together)
+        assert torch.equal(kernels.gemv_bf16(x, packed, 203, b), together)
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_kernels
-def test_linear_takes_the_kernel_for_narrow_inputs_only():
-    x, w, _ = _operands(NARROW_ROWS + 2, 96, 64, False, seed=2)
+def test_linear_takes_the_kernel_in_bf16_only():
+    x, w, _ = _operands(6, 96, 64, False, seed=2)
     b = torch.randn(96).bfloat16()
     lin = Linear(w, b)
-    narrow = x[:NARROW_ROWS]
-    assert torch.equal(lin(narrow), kernels.gemv_bf16(narrow, w, b.float()))
-    assert torch.equal(lin(narrow[None])[0], lin(narrow))  # leading dims folded into rows
+    assert lin.packed and torch.equal(lin(x), kernels.gemv_bf16(x, kernels.pack(w), 96, b.float()))
+    assert torch.equal(lin(x.view(2, 3, 64)), lin(x).view(2, 3, 96))  # leading dims folded into rows
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-2, atol=1e-2)
     assert Linear(w.float())._kernels is None and Linear(w.half())._kernels is None  # float32/fp16: torch's paths
+    assert Linear(w[:, :63].contiguous())._kernels is None  # odd K: oneDNN
 
 
 def test_switched_off_or_unbuildable_means_torch_path(monkeypatch, tmp_path):
@@ -123,6 +125,26 @@ def test_attention_matches_float64_reference(Hq, Hkv, D, start, mask):
     out = kernels.attend_bf16(q, k, v, start, mask, D**-0.5)
     assert out.shape == (T, Hq, D) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _attention_reference(q, k, v, start, mask, D**-0.5), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [6, 23])
+def test_wide_attention_matches_the_reference_and_rows_are_independent(T):
+    """A tree mask over T new tokens (rows in blocks of 16 lanes per KV head: 18 and 69 rows): the float64 reference,
+    and each row's output unchanged when every other row's query changes."""
+    g = torch.Generator().manual_seed(T)
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, T)]
+    mask = torch.eye(T, dtype=torch.bool)
+    for j in range(1, T):
+        mask[j] |= mask[parents[j]]  # a row sees its ancestors
+    k, v = _cache(3, 50 + T, 64, seed=T)
+    q = torch.randn(T, 9, 64, generator=g).bfloat16()
+    out = kernels.attend_bf16(q, k, v, 50, mask, 0.125)
+    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, 50, mask, 0.125), atol=1e-2, rtol=1e-2)
+    for t in (0, T // 2, T - 1):
+        other = torch.randn(T, 9, 64, generator=g).bfloat16()
+        other[t] = q[t]
+        assert torch.equal(kernels.attend_bf16(other, k, v, 50, mask, 0.125)[t], out[t])
 
 
 @needs_kernels
