@@ -76,6 +76,35 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* out rows r0 .. r0+used of one KV head: each row's sum over keys (in order) of its probability times the value,
+ * times inv; 4 rows a pass so a value row is converted once for 4 rows */
+static inline __attribute__((always_inline)) void weighted_values(const float *sc, const uint16_t *vh, uint16_t *out,
+                                                                  const float *inv, long used, long r0, long G, long Hq,
+                                                                  long kvh, long S, const long D) {
+    for (long l0 = 0; l0 < used; l0 += 4) {
+        long n = used - l0 < 4 ? used - l0 : 4;
+        __m512 o[4][16];  /* [row][D / 16] */
+        for (long l = 0; l < 4; l++)
+            for (long d = 0; d < D / 16; d++) o[l][d] = _mm512_setzero_ps();
+        for (long s = 0; s < S; s++) {
+            const float *pr = sc + s * 16 + l0;
+            if (pr[0] == 0.0f && (n < 2 || pr[1] == 0.0f) && (n < 3 || pr[2] == 0.0f) && (n < 4 || pr[3] == 0.0f))
+                continue;
+            for (long d = 0; d < D / 16; d++) {
+                __m512 vv = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vh + s * D + d * 16)));
+                for (long l = 0; l < 4; l++)
+                    if (l < n) o[l][d] = _mm512_fmadd_ps(_mm512_set1_ps(pr[l]), vv, o[l][d]);
+            }
+        }
+        for (long l = 0; l < n; l++) {
+            long r = r0 + l0 + l, t = r / G, h = kvh * G + r % G;
+            for (long d = 0; d < D / 16; d++)
+                _mm256_storeu_si256((__m256i *)(out + (t * Hq + h) * D + d * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[l][d], _mm512_set1_ps(inv[l0 + l]))));
+        }
+    }
+}
+
 /* Attention of T new query rows over a head-major KV cache whose slots [0, start + T) hold the prefix and the new
  * tokens: row t sees every prefix slot and the new slots j with mask[t, j] (mask NULL: T == 1, the row sees itself).
  *
@@ -127,20 +156,8 @@ void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long c
         }
         float inv[16];
         _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-        for (long l = 0; l < used; l++) {  /* one row's weighted sum of values, keys in order */
-            __m512 o[16];
-            for (long d = 0; d < D / 16; d++) o[d] = _mm512_setzero_ps();
-            for (long s = 0; s < S; s++) {
-                float pr = sc[s * 16 + l];
-                if (pr == 0.0f) continue;
-                __m512 pv = _mm512_set1_ps(pr);
-                for (long d = 0; d < D / 16; d++)
-                    o[d] = _mm512_fmadd_ps(pv, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vh + s * D + d * 16))), o[d]);
-            }
-            long r = r0 + l, t = r / G, h = kvh * G + r % G;
-            for (long d = 0; d < D / 16; d++)
-                _mm256_storeu_si256((__m256i *)(out + (t * Hq + h) * D + d * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[d], _mm512_set1_ps(inv[l]))));
-        }
+        if (D == 64) weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64);  /* constant D: registers */
+        else if (D == 128) weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128);
+        else weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D);
     }
 }
