@@ -1,4 +1,4 @@
-"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 matrix-vector products and attention, compiled once per machine.
+"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 linear layers and attention, compiled once per machine.
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -24,13 +24,18 @@ FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopen
 LIBS = ("-lm",)
 
 
-def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU runs AVX-512 BF16 (vdpbf16ps), read from /proc/cpuinfo (Linux; elsewhere: no)."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; elsewhere none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU runs AVX-512 BF16 (vdpbf16ps), what cpu_kernels.c is built for."""
+    return "avx512_bf16" in cpu_flags()
 
 
 def build(source: Path, out_dir: Path) -> Path:

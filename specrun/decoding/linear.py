@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specrun.decoding.cpu_kernels import CpuKernels, cpu_kernels
+
 _PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
