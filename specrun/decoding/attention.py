@@ -38,6 +38,11 @@ class ForwardContext:
     kernels: CpuKernels | None = None  # with `sdpa`: attend with cpu_kernels' attend_bf16
     _grouped: torch.Tensor | None = None
 
+    @property
+    def whole_layers(self) -> bool:
+        """Whether cpu_layers may run this forward's layers in one call: our attention, every slot, no queries kept."""
+        return self.kernels is not None and self.select is None and self.queries is None
+
     def attend(self, layer: int, q, k, v, scaling):
         return attention(self, layer, q, k, v, scaling)
 

@@ -129,7 +129,7 @@ void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long c
             for (long dp = 0; dp < D / 2; dp++)
                 qp[dp * 16 + l] = l < used ? ((const uint32_t *)(q + (t * Hq + h) * D))[dp] : 0;
         }
-        __mmask16 sees_new[16];  /* per new slot j: the lanes whose row sees it */
+        __mmask16 sees_new[T];  /* per new slot j: the lanes whose row sees it */
         for (long j = 0; j < T; j++) {
             sees_new[j] = 0;
             for (long l = 0; l < used; l++)
@@ -159,5 +159,122 @@ void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long c
         if (D == 64) weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64);  /* constant D: registers */
         else if (D == 128) weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128);
         else weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D);
+    }
+}
+
+/* ---- whole decoder layers (Llama family: RMSNorm, fused QKV, rotate-half RoPE, GQA attention, SiLU-gated MLP) ----
+ * Each elementwise step rounds to bf16 where the torch ops of decoder.py do (a float32 op, rounded once), so the
+ * results are those of the torch path but for the order of the norm's sum of squares and the exp in SiLU. */
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch and vcvtneps2bf16 do */
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline __m512 load16(const uint16_t *p, __mmask16 m) {
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
+}
+
+static inline void store16(uint16_t *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
+
+/* out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)) (HF's RMSNorm); x, w, out bf16, rows of H */
+static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *out, long T, long H, float eps) {
+    for (long t = 0; t < T; t++) {
+        const uint16_t *xt = x + t * H;
+        __m512 ss = _mm512_setzero_ps();
+        for (long i = 0; i < H; i += 16) {
+            __m512 v = load16(xt + i, tail(H, i));
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+        for (long i = 0; i < H; i += 16) {
+            __mmask16 m = tail(H, i);
+            __m512 n = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(load16(xt + i, m), r)));
+            store16(out + t * H + i, m, _mm512_mul_ps(load16(w + i, m), n));
+        }
+    }
+}
+
+/* x[i] = bf16(x[i] + y[i]) over n values (the residual stream) */
+static void add_into(uint16_t *x, const uint16_t *y, long n) {
+    for (long i = 0; i < n; i += 16) {
+        __mmask16 m = tail(n, i);
+        store16(x + i, m, _mm512_add_ps(load16(x + i, m), load16(y + i, m)));
+    }
+}
+
+/* a[t] = bf16(bf16(silu(gate[t])) * up[t]) for gu[t] = [gate | up], each I wide */
+static void silu_mul(const uint16_t *gu, uint16_t *a, long T, long I) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < I; i += 16) {
+            __mmask16 m = tail(I, i);
+            __m512 g = load16(gu + t * 2 * I + i, m);
+            __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(s));
+            store16(a + t * I + i, m, _mm512_mul_ps(s, load16(gu + t * 2 * I + I + i, m)));
+        }
+}
+
+/* x * cos + rotate_half(x) * sin for one head's D values, each product and the sum rounded to bf16 (as torch) */
+static void rope_head(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, long D) {
+    long half = D / 2;
+    for (long i = 0; i < D; i++) {
+        float rot = i < half ? -bf2f(x[i + half]) : bf2f(x[i - half]);
+        float a = bf2f(f2bf(bf2f(x[i]) * bf2f(cs[i]))), b = bf2f(f2bf(rot * bf2f(sn[i])));
+        out[i] = f2bf(a + b);
+    }
+}
+
+typedef struct {
+    const uint16_t *ln1, *ln2;             /* [H] bf16 norm weights */
+    const uint16_t *qkv, *o, *gate_up, *down;  /* packed as for gemv_bf16: [q; k; v], o, [gate; up], down */
+    const float *b_qkv, *b_o, *b_gate_up, *b_down;  /* float32 biases or NULL */
+    uint16_t *k, *v;                       /* this layer's cache [Hkv, cap, D] */
+} layer_t;
+
+/* The decoder layers over T new tokens at slots [start, start + T) of the cache (the rows see every earlier slot and
+ * the new slots under mask [T, T], NULL for T == 1); x [T, H] bf16, the residual stream, updated in place. cos, sin:
+ * [T, D] bf16 (HF's rotary for the rows' positions). work: bf16 scratch of T * (2H + (Hq + 2Hkv)D + 2 Hq D + 3I);
+ * scores: attend_bf16's scratch for start + T keys. */
+void decode_layers(const layer_t *layers, int L, uint16_t *x, long T, long H, long I, long Hq, long Hkv, long D,
+                   long cap, long start, const uint16_t *cos, const uint16_t *sin, const uint8_t *mask, float eps,
+                   float scale, uint16_t *work, float *scores, int threads) {
+    long nqkv = (Hq + 2 * Hkv) * D;
+    uint16_t *h = work, *qkv = h + T * H, *q = qkv + T * nqkv, *att = q + T * Hq * D, *tmp = att + T * Hq * D;
+    uint16_t *gu = tmp + T * H, *a = gu + T * 2 * I;
+    for (int l = 0; l < L; l++) {
+        const layer_t *ly = layers + l;
+        rms_norm(x, ly->ln1, h, T, H, eps);
+        gemv_bf16(h, ly->qkv, ly->b_qkv, qkv, T, nqkv, H, threads);
+        for (long t = 0; t < T; t++) {
+            const uint16_t *row = qkv + t * nqkv, *ct = cos + t * D, *st = sin + t * D;
+            for (long hq = 0; hq < Hq; hq++) rope_head(row + hq * D, ct, st, q + (t * Hq + hq) * D, D);
+            for (long hk = 0; hk < Hkv; hk++) {
+                long slot = (hk * cap + start + t) * D;
+                rope_head(row + (Hq + hk) * D, ct, st, ly->k + slot, D);
+                __builtin_memcpy(ly->v + slot, row + (Hq + Hkv + hk) * D, D * 2);
+            }
+        }
+        attend_bf16(q, ly->k, ly->v, cap, mask, att, T, Hq, Hkv, D, start, scale, scores, threads);
+        gemv_bf16(att, ly->o, ly->b_o, tmp, T, H, Hq * D, threads);
+        add_into(x, tmp, T * H);
+        rms_norm(x, ly->ln2, h, T, H, eps);
+        gemv_bf16(h, ly->gate_up, ly->b_gate_up, gu, T, 2 * I, H, threads);
+        silu_mul(gu, a, T, I);
+        gemv_bf16(a, ly->down, ly->b_down, tmp, T, H, I, threads);
+        add_into(x, tmp, T * H);
     }
 }

@@ -72,6 +72,11 @@ class CpuKernels:
         self._attend.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
                                  + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
         self._attend.restype = None
+        self.decode_layers = lib.decode_layers  # called by cpu_layers.CpuLayers, which owns its arguments
+        self.decode_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 8
+                                       + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
+                                       + [ctypes.c_int])
+        self.decode_layers.restype = None
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:

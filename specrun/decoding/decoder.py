@@ -2,7 +2,7 @@
 
 Fused QKV and gate-up weights (one GEMV each instead of three and two: a memory-bound step reads the same bytes in
 fewer, larger calls), prepacked where that pays (linear.py), the HF model's own embedding, norm, rotary and activation
-modules; unsupported features refused.
+modules; unsupported features refused. On CPU bf16 with our kernels the layers run in one call (cpu_layers.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specrun.decoding.attention import ForwardContext
+from specrun.decoding.cpu_kernels import cpu_kernels
+from specrun.decoding.cpu_layers import CpuLayers
 from specrun.decoding.linear import Linear
 
 
@@ -107,6 +110,7 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = self.layers[0].gate_up.weight.shape[0] // 2
         self.lm_head = Linear.of(model.get_output_embeddings())  # [V, H]
+        self.cpu_layers = CpuLayers.of(self, cpu_kernels())  # CPU bf16: every layer in one kernel call
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
@@ -118,6 +122,9 @@ class FusedDecoder:
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
         T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
+        if self.cpu_layers is not None and isinstance(ctx, ForwardContext) and ctx.whole_layers:
+            new = None if T == 1 else ctx.mask[:, ctx.start : ctx.start + T]  # [T, T]
+            return self.norm(self.cpu_layers(x, cos[:, 0], sin[:, 0], ctx.cache, ctx.start, new))
         for i, L in enumerate(self.layers):
             qkv = L.qkv(L.ln1(x))  # [T, (nq + 2 nkv) D]
             qk = qkv[:, : (nq + nkv) * D].view(T, nq + nkv, D)

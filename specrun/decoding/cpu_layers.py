@@ -1,0 +1,98 @@
+"""All decoder layers of a CPU bf16 forward in one call to cpu_kernels.c (decode_layers): norms, products, rotary, cache
+writes, attention, activation and residuals with no torch op in between; each step rounds where decoder.py's torch ops do.
+
+CpuLayers.of(decoder, kernels) -> None where the layers are not the plain Llama shape it computes (qk-norm, another
+activation or norm, weights the kernels do not pack); decoder.py keeps its torch path then.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from specrun.decoding.cpu_kernels import CpuKernels
+from specrun.decoding.kv_cache import KVCache
+
+_P = ctypes.c_void_p
+
+
+class _LayerPtrs(ctypes.Structure):  # cpu_kernels.c layer_t
+    _fields_ = [(name, _P) for name in ("ln1", "ln2", "qkv", "o", "gate_up", "down", "b_qkv", "b_o", "b_gate_up",
+                                        "b_down", "k", "v")]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _plain_rms_norm(norm) -> bool:
+    """HF's Llama-style RMSNorm (weight * normalized, the weight as is): llama, mistral, qwen2 and qwen3 norms."""
+    return type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") \
+        and getattr(norm, "weight", None) is not None and norm.weight.dtype == torch.bfloat16
+
+
+class CpuLayers:
+    def __init__(self, dec, kernels: CpuKernels):
+        self.kernels = kernels
+        L0 = dec.layers[0]
+        self.H, self.I = L0.ln1.weight.shape[0], dec.inter
+        self.Hq, self.Hkv, self.D = dec.n_q, dec.n_kv, dec.head_dim
+        self.eps, self.scale = float(L0.ln1.variance_epsilon), float(L0.scaling)
+        self.ptrs = (_LayerPtrs * len(dec.layers))()
+        for p, L in zip(self.ptrs, dec.layers):
+            p.ln1, p.ln2 = L.ln1.weight.data_ptr(), L.ln2.weight.data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(L, name)
+                setattr(p, name, lin._vnni.data_ptr())
+                setattr(p, "b_" + name, _ptr(lin._bias32))
+        self._cache_ptrs: tuple[int, int, int] | None = None
+
+    @classmethod
+    def of(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
+        """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
+        if kernels is None or not dec.layers:
+            return None
+        for L in dec.layers:
+            linears = (L.qkv, L.o, L.gate_up, L.down)
+            if L.q_norm is not None or type(L.act).__name__ not in ("SiLUActivation", "SiLU") \
+                    or not (_plain_rms_norm(L.ln1) and _plain_rms_norm(L.ln2)) \
+                    or any(lin._vnni is None for lin in linears) \
+                    or L.scaling != dec.layers[0].scaling or L.ln1.variance_epsilon != dec.layers[0].ln1.variance_epsilon \
+                    or L.ln2.variance_epsilon != L.ln1.variance_epsilon:
+                return None
+        if not CpuKernels.attends(dec.head_dim, dec.n_q, dec.n_kv):
+            return None
+        return cls(dec, kernels)
+
+    def _point_at(self, cache: KVCache) -> None:
+        """Point each layer's struct at its slice of cache, again whenever the storage or its capacity changed (a new
+        cache can reuse a freed one's address with another capacity, which moves every layer but the first)."""
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
+        if key == self._cache_ptrs:
+            return
+        for i, p in enumerate(self.ptrs):
+            p.k, p.v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
+        self._cache_ptrs = key
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+                 new_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run every layer over T new tokens, writing their K/V at slots [start, start + T).
+
+        # x: [T, H] bf16 (embedded), cos/sin: [T, D] bf16, new_mask: [T, T] bool (None for T == 1) -> x: [T, H] bf16
+        """
+        T = x.shape[0]
+        if start + T > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
+        assert cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous() and cache.v.is_contiguous()
+        self._point_at(cache)
+        H, I, Hq, Hkv, D = self.H, self.I, self.Hq, self.Hkv, self.D
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        mask = None if new_mask is None else new_mask.contiguous()
+        work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=torch.bfloat16)
+        scores = torch.empty(Hkv * -(-(Hq // Hkv) * T // 16) * (start + T) * 16, dtype=torch.float32)
+        self.kernels.decode_layers(ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D, cache.capacity, start,
+                                   cos.data_ptr(), sin.data_ptr(), _ptr(mask), self.eps, self.scale, work.data_ptr(),
+                                   scores.data_ptr(), torch.get_num_threads())
+        return x

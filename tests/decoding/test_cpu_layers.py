@@ -1,0 +1,128 @@
+"""The one-call decoder layers (cpu_layers.py): the torch path's values, each row alone, taken only where they apply."""
+
+import pytest
+import torch
+
+from specrun.decoding.cpu_kernels import cpu_kernels
+from specrun.decoding.cpu_layers import CpuLayers
+from specrun.decoding.decoder import FusedDecoder
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.runner import ModelRunner
+from specrun.decoding.sampling import SamplingParams
+from specrun.models.loader import load_model
+from specrun.models.tiny import build_tiny_model
+
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
+
+
+def _tiny(tmp_path, arch="llama", dtype="bfloat16"):
+    # head size 32 (the kernels' attention takes multiples of 32), GQA 4/2, peaked outputs
+    path = build_tiny_model(tmp_path / arch, arch=arch, hidden=128, heads=4, kv_heads=2, layers=3, seed=5,
+                            initializer_range=0.3)
+    lm = load_model(str(path), dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    for layer in lm.model.model.layers:  # random norm weights (HF starts them at 1: a swapped norm would go unseen)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
+    return lm
+
+
+def _tree_forward(runner: ModelRunner, prompt: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor):
+    """Prefill prompt, then one forward of tokens under mask (a tree: depth = ancestors - 1). -> hidden, new K, old K"""
+    runner.reset(128)
+    runner.prefill(prompt, 8)  # chunks of 8: the prefill runs the layers with masks too
+    depth = mask.sum(1) - 1
+    hidden = runner.forward(tokens, depth + prompt.shape[0], mask)
+    k = runner.cache.k[:, :, : prompt.shape[0] + tokens.shape[0]].clone()
+    return hidden, k
+
+
+_TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                     dtype=torch.bool)  # root, two children, a grandchild under each
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k, v
+def test_one_call_matches_the_torch_ops(tmp_path, arch):
+    """Same roundings as decoder.py's torch ops; only the norm's sum order and SiLU's exp may differ (a bf16 ulp)."""
+    lm = _tiny(tmp_path, arch)
+    runner = ModelRunner(lm, max_rows=16)
+    layers = runner.decoder.cpu_layers
+    assert layers is not None
+    prompt = torch.tensor([72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10])
+    tokens = torch.tensor([65, 66, 67, 68, 69])
+    ours = _tree_forward(runner, prompt, tokens, _TREE)
+    runner.decoder.cpu_layers = None
+    try:
+        theirs = _tree_forward(runner, prompt, tokens, _TREE)
+    finally:
+        runner.decoder.cpu_layers = layers
+    for a, b in zip(ours, theirs):
+        diff = (a.float() - b.float()).abs()
+        assert diff.max() <= 0.02 * b.float().abs().max()  # a wrong mask, rotary or residual moves values far more
+        assert (a != b).float().mean() < 0.1
+
+
+@needs_kernels
+def test_a_row_is_the_same_alone_or_in_a_tree(tmp_path):
+    """Each row computed alone: the tree's root-to-leaf rows equal the same tokens run one by one (AR steps)."""
+    lm = _tiny(tmp_path)
+    runner = ModelRunner(lm, max_rows=16)
+    prompt = torch.tensor([72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10])
+    tokens = torch.tensor([65, 66, 67, 68, 69])
+    hidden, k = _tree_forward(runner, prompt, tokens, _TREE)
+    P = prompt.shape[0]
+    for path in ([0, 1, 3], [0, 2, 4]):
+        runner.reset(128)
+        runner.prefill(prompt, 8)
+        for depth, node in enumerate(path):
+            h = runner.forward(tokens[node : node + 1], torch.tensor([P + depth]), torch.ones(1, 1, dtype=torch.bool))
+            assert torch.equal(h[0], hidden[node])
+            assert torch.equal(runner.cache.k[:, :, P + depth], k[:, :, P + node])
+            runner.cache.append(1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sampled", [False, True])
+def test_bf16_drafting_equals_ar_through_the_one_call_layers(tmp_path, monkeypatch, sampled):
+    lm = _tiny(tmp_path)
+    calls = []
+    real = CpuLayers.__call__
+    monkeypatch.setattr(CpuLayers, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    prompt = list(b"abcabcabcabc the lighthouse keeper ")
+    params = SamplingParams(max_tokens=60, temperature=1.0 if sampled else 0.0, seed=3, ignore_eos=True)
+    ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    spec = Engine(lm, EngineConfig(trie_budget=12, adaptive_budget=False))
+    assert spec.generate(prompt, params).token_ids == ar
+    assert spec.generate(prompt, params, resume_from=ar[:25]).token_ids == ar
+    assert 1 in calls and max(calls) > 1  # AR steps and wider verifies both went through it
+
+
+@needs_kernels
+def test_taken_only_where_it_computes_the_same(tmp_path):
+    assert FusedDecoder.of(_tiny(tmp_path).model).cpu_layers is not None
+    assert FusedDecoder.of(_tiny(tmp_path, dtype="float32").model).cpu_layers is None  # float32: torch's path
+    assert FusedDecoder.of(_tiny(tmp_path, arch="qwen3").model).cpu_layers is None  # per-head q/k norms
+    lm = _tiny(tmp_path)
+    lm.model.config.hidden_act = "gelu"  # the activation module decides, not the config
+    from transformers.activations import ACT2FN
+
+    for layer in lm.model.model.layers:
+        layer.mlp.act_fn = ACT2FN["gelu"]
+    assert FusedDecoder(lm.model).cpu_layers is None
+    assert CpuLayers.of(FusedDecoder.of(_tiny(tmp_path).model), None) is None  # no kernels here
+
+
+@needs_kernels
+def test_layers_follow_a_new_cache_at_a_reused_address(tmp_path):
+    """A new cache may take a freed one's address with another capacity: every layer but the first then moves."""
+    from specrun.decoding.kv_cache import KVCache
+
+    layers = FusedDecoder.of(_tiny(tmp_path).model).cpu_layers
+    a = KVCache(3, 64, 2, 32, torch.bfloat16, "cpu")
+    layers._point_at(a)
+    b = KVCache(3, 1, 2, 32, torch.bfloat16, "cpu")
+    b.k, b.v = (t.view(-1)[: 3 * 2 * 40 * 32].view(3, 2, 40, 32) for t in (a.k, a.v))  # a's storage, capacity 40
+    layers._point_at(b)
+    assert [p.k for p in layers.ptrs] == [b.k[i].data_ptr() for i in range(3)]
+    assert [p.v for p in layers.ptrs] == [b.v[i].data_ptr() for i in range(3)]
