@@ -109,6 +109,12 @@ class CpuKernels:
         return y
 
     @staticmethod
+    def attend_scratch(T: int, Hq: int, Hkv: int, start: int) -> torch.Tensor:
+        """attend_bf16's float32 scores for T rows after `start` slots: 16 rows (lanes) a block per KV head."""
+        blocks = -(-(Hq // Hkv) * T // 16)
+        return torch.empty((Hkv * blocks, start + T, 16), dtype=torch.float32)
+
+    @staticmethod
     def attends(head_dim: int, n_q: int, n_kv: int) -> bool:
         """Whether attend_bf16 takes these shapes."""
         return head_dim % 32 == 0 and head_dim <= 256 and n_q % n_kv == 0
@@ -126,8 +132,7 @@ class CpuKernels:
         assert k.is_contiguous() and v.is_contiguous() and (mask is not None or T == 1)
         mask = None if mask is None else mask.contiguous()
         out = torch.empty_like(q)
-        blocks = -(-(Hq // Hkv) * T // 16)
-        scores = torch.empty((Hkv * blocks, start + T, 16), dtype=torch.float32)
+        scores = self.attend_scratch(T, Hq, Hkv, start)
         self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
                      out.data_ptr(), T, Hq, Hkv, D, start, scale, scores.data_ptr(), torch.get_num_threads())
         return out

@@ -1,5 +1,5 @@
-"""All decoder layers of a CPU bf16 forward in one call to cpu_kernels.c (decode_layers): norms, products, rotary, cache
-writes, attention, activation and residuals with no torch op in between; each step rounds where decoder.py's torch ops do.
+"""All decoder layers of a CPU bf16 forward in one call to cpu_kernels.c (decode_layers): norms, products, rotary,
+cache writes, attention, activation and residuals, no torch op in between; each step rounds where decoder.py's ops do.
 
 CpuLayers.of(decoder, kernels) -> None where the layers are not the plain Llama shape it computes (qk-norm, another
 activation or norm, weights the kernels do not pack); decoder.py keeps its torch path then.
@@ -53,13 +53,12 @@ class CpuLayers:
         """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
         if kernels is None or not dec.layers:
             return None
-        for L in dec.layers:
-            linears = (L.qkv, L.o, L.gate_up, L.down)
+        first = dec.layers[0]
+        for L in dec.layers:  # one scale and eps for all (passed once), SiLU, plain norms, packed weights
             if L.q_norm is not None or type(L.act).__name__ not in ("SiLUActivation", "SiLU") \
                     or not (_plain_rms_norm(L.ln1) and _plain_rms_norm(L.ln2)) \
-                    or any(lin._vnni is None for lin in linears) \
-                    or L.scaling != dec.layers[0].scaling or L.ln1.variance_epsilon != dec.layers[0].ln1.variance_epsilon \
-                    or L.ln2.variance_epsilon != L.ln1.variance_epsilon:
+                    or any(lin._vnni is None for lin in (L.qkv, L.o, L.gate_up, L.down)) or L.scaling != first.scaling \
+                    or not L.ln1.variance_epsilon == L.ln2.variance_epsilon == first.ln1.variance_epsilon:
                 return None
         if not CpuKernels.attends(dec.head_dim, dec.n_q, dec.n_kv):
             return None
@@ -82,6 +81,8 @@ class CpuLayers:
         # x: [T, H] bf16 (embedded), cos/sin: [T, D] bf16, new_mask: [T, T] bool (None for T == 1) -> x: [T, H] bf16
         """
         T = x.shape[0]
+        if x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
+            raise TypeError(f"decode_layers reads bf16 activations and rotary tables, got {x.dtype} / {cos.dtype}")
         if start + T > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
         assert cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous() and cache.v.is_contiguous()
@@ -91,8 +92,8 @@ class CpuLayers:
         cos, sin = cos.contiguous(), sin.contiguous()
         mask = None if new_mask is None else new_mask.contiguous()
         work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=torch.bfloat16)
-        scores = torch.empty(Hkv * -(-(Hq // Hkv) * T // 16) * (start + T) * 16, dtype=torch.float32)
-        self.kernels.decode_layers(ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D, cache.capacity, start,
-                                   cos.data_ptr(), sin.data_ptr(), _ptr(mask), self.eps, self.scale, work.data_ptr(),
-                                   scores.data_ptr(), torch.get_num_threads())
+        scores = CpuKernels.attend_scratch(T, Hq, Hkv, start)
+        self.kernels.decode_layers(ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D,
+                                   cache.capacity, start, cos.data_ptr(), sin.data_ptr(), _ptr(mask), self.eps,
+                                   self.scale, work.data_ptr(), scores.data_ptr(), torch.get_num_threads())
         return x
