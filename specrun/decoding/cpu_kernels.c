@@ -179,20 +179,6 @@ void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long c
  * Each elementwise step rounds to bf16 where the torch ops of decoder.py do (a float32 op, rounded once), so the
  * results are those of the torch path but for the order of the norm's sum of squares and the exp in SiLU. */
 
-static inline float bf2f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch and vcvtneps2bf16 do */
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
 }
@@ -202,6 +188,8 @@ static inline void store16(uint16_t *p, __mmask16 m, __m512 v) {
 }
 
 static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
+
+static inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }  /* to bf16 and back */
 
 /* out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)) (HF's RMSNorm); x, w, out bf16, rows of H */
 static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *out, long T, long H, float eps) {
@@ -215,7 +203,7 @@ static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *out, long T
         __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
         for (long i = 0; i < H; i += 16) {
             __mmask16 m = tail(H, i);
-            __m512 n = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(load16(xt + i, m), r)));
+            __m512 n = round16(_mm512_mul_ps(load16(xt + i, m), r));
             store16(out + t * H + i, m, _mm512_mul_ps(load16(w + i, m), n));
         }
     }
@@ -235,19 +223,23 @@ static void silu_mul(const uint16_t *gu, uint16_t *a, long T, long I) {
         for (long i = 0; i < I; i += 16) {
             __mmask16 m = tail(I, i);
             __m512 g = load16(gu + t * 2 * I + i, m);
-            __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(s));
+            __m512 s = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
             store16(a + t * I + i, m, _mm512_mul_ps(s, load16(gu + t * 2 * I + I + i, m)));
         }
 }
 
-/* x * cos + rotate_half(x) * sin for one head's D values, each product and the sum rounded to bf16 (as torch) */
+/* x * cos + rotate_half(x) * sin for one head's D values (D % 32 == 0), each product and the sum rounded to bf16 (as
+ * torch): out[i] = x[i] cos[i] - x[i + D/2] sin[i] and out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] */
 static void rope_head(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, long D) {
     long half = D / 2;
-    for (long i = 0; i < D; i++) {
-        float rot = i < half ? -bf2f(x[i + half]) : bf2f(x[i - half]);
-        float a = bf2f(f2bf(bf2f(x[i]) * bf2f(cs[i]))), b = bf2f(f2bf(rot * bf2f(sn[i])));
-        out[i] = f2bf(a + b);
+    for (long i = 0; i < half; i += 16) {
+        __m512 lo = load16(x + i, 0xffff), hi = load16(x + half + i, 0xffff);
+        __m512 a = round16(_mm512_mul_ps(lo, load16(cs + i, 0xffff)));
+        __m512 b = round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(sn + i, 0xffff)));
+        store16(out + i, 0xffff, _mm512_add_ps(a, b));
+        a = round16(_mm512_mul_ps(hi, load16(cs + half + i, 0xffff)));
+        b = round16(_mm512_mul_ps(lo, load16(sn + half + i, 0xffff)));
+        store16(out + half + i, 0xffff, _mm512_add_ps(a, b));
     }
 }
 

@@ -51,7 +51,7 @@ class CpuLayers:
     @classmethod
     def of(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
-        if kernels is None or not dec.layers:
+        if kernels is None or not dec.layers or dec.embed.weight.dtype != torch.bfloat16:  # HF's rotary follows x's
             return None
         first = dec.layers[0]
         for L in dec.layers:  # one scale and eps for all (passed once), SiLU, plain norms, packed weights
@@ -88,7 +88,7 @@ class CpuLayers:
         assert cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous() and cache.v.is_contiguous()
         self._point_at(cache)
         H, I, Hq, Hkv, D = self.H, self.I, self.Hq, self.Hkv, self.D
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # updated in place
         cos, sin = cos.contiguous(), sin.contiguous()
         mask = None if new_mask is None else new_mask.contiguous()
         work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=torch.bfloat16)

@@ -122,8 +122,7 @@ class FusedDecoder:
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
         T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
-        if self.cpu_layers is not None and isinstance(ctx, ForwardContext) and ctx.whole_layers \
-                and cos.dtype == x.dtype == torch.bfloat16:  # (a rotary in float32: the torch path)
+        if self.cpu_layers is not None and isinstance(ctx, ForwardContext) and ctx.whole_layers:
             new = None if T == 1 else ctx.mask[:, ctx.start : ctx.start + T]  # [T, T]
             return self.norm(self.cpu_layers(x, cos[:, 0], sin[:, 0], ctx.cache, ctx.start, new))
         for i, L in enumerate(self.layers):
