@@ -138,7 +138,8 @@ class BatchEngine:
             if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
                 self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
-                tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step)
+                tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step,
+                                    sum(a.trie.size for a in live) / len(live))
                 shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]
                 if shadows:
                     tuner.observe_shadow(shadows)

@@ -182,7 +182,7 @@ class Engine:
             with stats.time("update"):
                 self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step)
+                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size)
                 if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
                     self.tuner.observe_shadow([shadow_path])
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()

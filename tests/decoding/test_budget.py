@@ -100,6 +100,29 @@ def test_shadows_can_lead_past_a_width_whose_nodes_miss():
     assert t.choose() == 8
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_step_drafting_fewer_nodes_than_its_width_is_timed_as_the_narrower_width(batched):
+    """A drafter with nothing to propose on one step in three (n-gram on sampled text): those wider steps verify the
+    root alone, at plain AR's cost. Counted as the width's, its minimum made drafting look free and 1.33 tokens a step
+    (shadow tries) beat AR's one (seen at 0.81x AR); timed as what they verified, wider steps cost 1.4 and AR wins."""
+    t = BudgetTuner(4)
+    w, wide = t.choose(), 0
+    for k in range(600):
+        nodes = w if k % 3 else 1  # the drafter proposes on two steps in three
+        path = [1] if nodes > 1 and k % 6 == 1 else []
+        seconds = 1.0 if nodes == 1 else 1.4
+        if batched:
+            t.observe_batch(w, [path, []], seconds, (nodes + 1) / 2)  # the other sequence never drafts
+        else:
+            t.observe(w, path, seconds, nodes)
+        if k % 16 == 0:  # shadow tries: one draft accepted in three steps
+            t.observe_shadow([[1] if k % 48 == 0 else []])
+        w = t.choose()
+        wide += k >= 300 and w > 1
+    assert wide <= 2, (wide, t.accepted, t.cost)  # plain AR but for its (rare, once shadowed) exploring steps
+    assert t.cost[1] == 1.0 and set(t.cost) > {1} and all(t.cost[v] == 1.4 for v in t.cost if v > 1)
+
+
 def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
     """8 sequences, one of which accepted a draft: the batch's 1.125 tokens per sequence moves the estimate once, as
     one sequence's step would (8 separate observations would weigh that one hit 8 times over)."""
