@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specrun.decoding.sampling import SamplingParams, choose, gumbel_noise, process_logits
+from specrun.decoding.sampling import FEW_PAIRS, SamplingParams, choose, gumbel_at, gumbel_noise, process_logits
 
 
 def test_noise_is_a_pure_function_of_seed_position_token():
@@ -25,6 +25,19 @@ def test_noise_is_a_pure_function_of_seed_position_token():
     assert not torch.equal(a, gumbel_noise(8, torch.tensor([0, 5, 100_000]), 1000))
     assert torch.equal(gumbel_noise(7, torch.tensor([5]), 50)[0], a[1, :50])  # vocab size does not shift the stream
     assert torch.equal(gumbel_noise(2**62 + 3, torch.tensor([1]), 10), gumbel_noise(2**62 + 3, torch.tensor([1]), 10))
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 + 5, 2**63 - 1])
+def test_noise_at_few_pairs_is_the_full_rows_noise_bit_for_bit(seed):
+    """gumbel_at hashes up to FEW_PAIRS pairs in Python integers, more in tensors: the bits of gumbel_noise's rows, for
+    positions and token ids up to 2**31 - 1 (token + 0x9E3779B9 passes 2**32 there)."""
+    g = torch.Generator().manual_seed(seed % 1000)
+    positions = torch.randint(0, 2**31 - 1, (40,), generator=g)
+    tokens = torch.randint(0, 1000, (40,), generator=g)
+    assert torch.equal(gumbel_at(seed, positions, tokens), gumbel_noise(seed, positions, 1000)[torch.arange(40), tokens])
+    big = torch.randint(0, 2**31 - 1, (FEW_PAIRS + 1,), generator=g)
+    few, many = gumbel_at(seed, big[:FEW_PAIRS], big[:FEW_PAIRS]), gumbel_at(seed, big, big)  # integers / tensors
+    assert few.dtype == many.dtype == torch.float64 and torch.equal(few, many[:FEW_PAIRS])
 
 
 def test_noise_is_standard_gumbel():
