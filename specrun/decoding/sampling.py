@@ -64,14 +64,14 @@ class SamplingParams:
         return self.penalty != 1.0 and self.penalty_window > 0
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # exact (x * c) mod 2**32 in int64 without overflow: split c into 16-bit halves
+def _mul32(x, c: int):
+    # exact (x * c) mod 2**32 in int64 without overflow: split c into 16-bit halves (int64 tensors or Python ints)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (hi + x * (c & 0xFFFF)) & _M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # lowbias32 finalizer (Wellons): a bijection on uint32 with good avalanche
+def _mix32(x):
+    # lowbias32 finalizer (Wellons): a bijection on uint32 with good avalanche (int64 tensors or Python ints)
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -79,16 +79,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
+def _key_bits(seed: int, positions):
     s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
-    return _mix32(_mix32(positions.to(torch.int64) ^ s_lo) ^ s_hi)
+    return _mix32(_mix32(positions ^ s_lo) ^ s_hi)
+
+
+def _bits(key, v):
+    """Two 32-bit draws for (position key, token id) pairs (int64 tensors or Python ints): the 53-bit uniform's halves."""
+    h = _mix32(_mix32(key ^ _mix32(v + 0x9E3779B9)) + 0x632BE5AB)
+    # a second independent 32-bit draw gives a 53-bit uniform so the Gumbel tail is not clipped early
+    return h, _mix32(h ^ 0x5BD1E995)
+
+
+def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    return _key_bits(seed, positions.to(torch.int64))
 
 
 def _gumbel(key: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Noise for (position key, token id) pairs, elementwise after broadcasting -> float64"""
-    h = _mix32(_mix32(key ^ _mix32(v + 0x9E3779B9)) + 0x632BE5AB)
-    # a second independent 32-bit draw gives a 53-bit uniform so the Gumbel tail is not clipped early
-    h2 = _mix32(h ^ 0x5BD1E995)
+    h, h2 = _bits(key, v)
     u = ((h >> 5).to(torch.float64) * 67108864.0 + (h2 >> 6).to(torch.float64) + 0.5) / 9007199254740992.0
     return -torch.log(-torch.log(u))
 
@@ -105,29 +114,15 @@ def gumbel_noise(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.T
 FEW_PAIRS = 256  # up to this many pairs gumbel_at hashes in Python integers: ~30 tensor ops cost ~0.4 ms, whatever N
 
 
-def _mix32_int(x: int) -> int:
-    """_mix32 on a Python int: the same bits (every step exact in both)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def _uniform_int(seed: int, position: int, token: int) -> float:
-    """_gumbel's 53-bit uniform for one pair, in Python integers and float64 (the same IEEE operations, in order)."""
-    key = _mix32_int(_mix32_int(position ^ (seed & _M32)) ^ ((seed >> 32) & _M32))
-    h = _mix32_int(_mix32_int(key ^ _mix32_int(token + 0x9E3779B9)) + 0x632BE5AB)
-    h2 = _mix32_int(h ^ 0x5BD1E995)
-    return (float(h >> 5) * 67108864.0 + float(h2 >> 6) + 0.5) / 9007199254740992.0
-
-
 def gumbel_at(seed: int, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The same noise at single (position, token) pairs. # positions, tokens: [N] -> [N] float64"""
     if positions.numel() > FEW_PAIRS:
         return _gumbel(_key(seed, positions), tokens.to(torch.int64))
-    u = torch.tensor([_uniform_int(seed, p, t) for p, t in zip(positions.tolist(), tokens.tolist())],
-                     dtype=torch.float64, device=positions.device)
+    u = []
+    for p, t in zip(positions.tolist(), tokens.tolist()):  # the same bits and float64 operations, in order
+        h, h2 = _bits(_key_bits(seed, p), t)
+        u.append((float(h >> 5) * 67108864.0 + float(h2 >> 6) + 0.5) / 9007199254740992.0)
+    u = torch.tensor(u, dtype=torch.float64, device=positions.device)
     return -torch.log(-torch.log(u))
 
 
