@@ -98,7 +98,8 @@ class BudgetTuner:
         # it says nothing of wider widths (its bound of 1 token would wear them all down to plain AR).
         wider = self.widths if used > 1 and not self._shadowed else [w for w in self.widths if w <= used]
         self._observe_accepted(used, paths, wider)
-        timed = next(w for w in self.widths if w >= min(used if nodes is None else nodes, used))
+        size = used if nodes is None else nodes
+        timed = next(w for w in self.widths if w >= size)
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)

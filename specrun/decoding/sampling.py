@@ -95,11 +95,15 @@ def _key(seed: int, positions: torch.Tensor) -> torch.Tensor:
     return _key_bits(seed, positions.to(torch.int64))
 
 
-def _gumbel(key: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Noise for (position key, token id) pairs, elementwise after broadcasting -> float64"""
-    h, h2 = _bits(key, v)
+def _gumbel_of_bits(h: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) from _bits' two int64 draws -> float64"""
     u = ((h >> 5).to(torch.float64) * 67108864.0 + (h2 >> 6).to(torch.float64) + 0.5) / 9007199254740992.0
     return -torch.log(-torch.log(u))
+
+
+def _gumbel(key: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Noise for (position key, token id) pairs, elementwise after broadcasting -> float64"""
+    return _gumbel_of_bits(*_bits(key, v))
 
 
 def gumbel_noise(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -118,12 +122,9 @@ def gumbel_at(seed: int, positions: torch.Tensor, tokens: torch.Tensor) -> torch
     """The same noise at single (position, token) pairs. # positions, tokens: [N] -> [N] float64"""
     if positions.numel() > FEW_PAIRS:
         return _gumbel(_key(seed, positions), tokens.to(torch.int64))
-    u = []
-    for p, t in zip(positions.tolist(), tokens.tolist()):  # the same bits and float64 operations, in order
-        h, h2 = _bits(_key_bits(seed, p), t)
-        u.append((float(h >> 5) * 67108864.0 + float(h2 >> 6) + 0.5) / 9007199254740992.0)
-    u = torch.tensor(u, dtype=torch.float64, device=positions.device)
-    return -torch.log(-torch.log(u))
+    bits = [_bits(_key_bits(seed, p), t) for p, t in zip(positions.tolist(), tokens.tolist())]
+    h, h2 = torch.tensor(bits, dtype=torch.int64, device=positions.device).reshape(-1, 2).unbind(1)
+    return _gumbel_of_bits(h, h2)
 
 
 def apply_penalty(logits: torch.Tensor, present: torch.Tensor, theta: float) -> torch.Tensor:
