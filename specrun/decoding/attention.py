@@ -1,7 +1,7 @@
 """Attention backends behind one switch (ForwardContext.backend), called by the decoder forward (decoder.py).
 
 Each call writes the layer's new K/V into our cache and attends over [committed + new]: `sdpa` with one bool mask over
-all keys (the reference; in bf16 on CPUs with AVX-512 BF16 our kernel cpu_kernels.c computes the same attention,
+all keys (the reference; in bf16 on CPUs with AVX-512 BF16 (and float32 there) our kernel cpu_kernels.c computes the same attention,
 1.5-1.9x faster up to 16 rows, each row alone: AR steps, verifies and prefill give a token the same K/V); `split`
 attends the committed prefix without a mask and the new tokens under their own mask, then merges the two by
 log-sum-exp (the scheme a flashinfer backend uses to avoid masked kernels over long caches).
@@ -35,7 +35,7 @@ class ForwardContext:
     select: torch.Tensor | None = None  # [Lyr, Hkv, B] slots each KV head sees (partial cache), then its own token
     queries: list | None = None  # when a list, each layer appends its q [Hq, T, D] (for KV importance)
     backend: str = "sdpa"  # one of BACKENDS; the prefix [0, start) is always fully visible to the new tokens
-    kernels: CpuKernels | None = None  # with `sdpa`: attend with cpu_kernels' attend_bf16
+    kernels: CpuKernels | None = None  # with `sdpa`: attend with cpu_kernels' attend (bf16, float32)
     _grouped: torch.Tensor | None = None
 
     @property
@@ -72,8 +72,8 @@ def attention(ctx: ForwardContext, layer: int, q: torch.Tensor, k: torch.Tensor,
         out = _split_attention(ctx, layer, qg, G, scaling)
     elif ctx.kernels is not None:
         new = None if T == 1 else ctx.mask[:, ctx.start : ctx.start + T]  # [T, T] the rows' view of the new tokens
-        out = ctx.kernels.attend_bf16(q[0].transpose(0, 1), ctx.cache.k[layer], ctx.cache.v[layer], ctx.start, new,
-                                      D**-0.5 if scaling is None else scaling)  # [T, Hq, D]
+        out = ctx.kernels.attend(q[0].transpose(0, 1), ctx.cache.k[layer], ctx.cache.v[layer], ctx.start, new,
+                                 D**-0.5 if scaling is None else scaling)  # [T, Hq, D]
         return out[None]
     else:
         keys, values = ctx.cache.keys_values(layer, ctx.start + T)  # [Hkv, S, D]

@@ -40,30 +40,59 @@
     }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
 
-/* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), p: W packed as above, b float32 or NULL; K even; every
- * output is its column's pairs summed in order, so a row's result does not depend on M or the thread count */
-void gemv_bf16(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K,
-               int threads) {
-    int blocks = (N + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int nb = 0; nb < blocks; nb++) {
-        const uint16_t *pb = p + (long)nb * 16 * K;
-        for (long m = 0; m < M; m += ROWS) {
-            const uint16_t *xm = x + m * K;
-            uint16_t *ym = y + m * N;
-            switch (M - m < ROWS ? M - m : ROWS) {
-            case 1: block_1(xm, pb, b, ym, N, K, nb * 16); break;
-            case 2: block_2(xm, pb, b, ym, N, K, nb * 16); break;
-            case 3: block_3(xm, pb, b, ym, N, K, nb * 16); break;
-            case 4: block_4(xm, pb, b, ym, N, K, nb * 16); break;
-            case 5: block_5(xm, pb, b, ym, N, K, nb * 16); break;
-            case 6: block_6(xm, pb, b, ym, N, K, nb * 16); break;
-            case 7: block_7(xm, pb, b, ym, N, K, nb * 16); break;
-            default: block_8(xm, pb, b, ym, N, K, nb * 16);
-            }
-        }
+/* The product over column blocks (split across threads) and passes of up to ROWS input rows, with PREFIX##_1 ..
+ * PREFIX##_8 the kernels for 1 .. 8 rows; p: [ceil(N/16), K * 16] weights packed by cpu_kernels.py; b float32 or
+ * NULL. Every output is its column's products summed in k order, then the bias: a row's result does not depend on M
+ * or the thread count. */
+#define GEMV(NAME, TYPE, PREFIX)                                                                                   \
+    void NAME(const TYPE *x, const TYPE *p, const float *b, TYPE *y, long M, long N, long K, int threads) {        \
+        int blocks = (N + 15) / 16;                                                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
+        for (int nb = 0; nb < blocks; nb++) {                                                                      \
+            const TYPE *pb = p + (long)nb * 16 * K;                                                                \
+            for (long m = 0; m < M; m += ROWS) {                                                                   \
+                const TYPE *xm = x + m * K;                                                                        \
+                TYPE *ym = y + m * N;                                                                              \
+                switch (M - m < ROWS ? M - m : ROWS) {                                                             \
+                case 1: PREFIX##_1(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                case 2: PREFIX##_2(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                case 3: PREFIX##_3(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                case 4: PREFIX##_4(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                case 5: PREFIX##_5(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                case 6: PREFIX##_6(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                case 7: PREFIX##_7(xm, pb, b, ym, N, K, nb * 16); break;                                           \
+                default: PREFIX##_8(xm, pb, b, ym, N, K, nb * 16);                                                 \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
     }
-}
+
+/* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), W packed as above (K even), each column's pairs in order,
+ * rounded to bf16 once */
+GEMV(gemv_bf16, uint16_t, block)
+
+/* float32 weights packed as [ceil(N/16), K, 16]: input k's weights for a block's 16 output columns are one 64-byte
+ * load, multiplied into all rows' accumulators against a broadcast x[m, k] (fused multiply-add, k in order). */
+#define BLOCK32(MB)                                                                                                \
+    static inline __attribute__((always_inline)) void block32_##MB(const float *x, const float *pb, const float *b, \
+                                                                   float *y, int N, int K, int n0) {               \
+        __m512 acc[MB];                                                                                            \
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                 \
+        for (int k = 0; k < K; k++) {                                                                              \
+            _mm_prefetch((const char *)(pb + k * 16) + PREFETCH, _MM_HINT_T0);                                     \
+            __m512 w = _mm512_loadu_ps(pb + k * 16);                                                               \
+            for (int m = 0; m < MB; m++) acc[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(long)m * K + k]), acc[m]);  \
+        }                                                                                                          \
+        __mmask16 live = N - n0 >= 16 ? 0xffff : (1u << (N - n0)) - 1;                                             \
+        for (int m = 0; m < MB; m++) {                                                                             \
+            __m512 r = b ? _mm512_add_ps(acc[m], _mm512_maskz_loadu_ps(live, b + n0)) : acc[m];                    \
+            _mm512_mask_storeu_ps(y + (long)m * N + n0, live, r);                                                  \
+        }                                                                                                          \
+    }
+BLOCK32(1) BLOCK32(2) BLOCK32(3) BLOCK32(4) BLOCK32(5) BLOCK32(6) BLOCK32(7) BLOCK32(8)
+
+/* y[M, N] = x[M, K] W^T (+ b[N]) in float32, W packed as above, each column's products fused-added in k order */
+GEMV(gemv_f32, float, block32)
 
 /* exp of 16 floats: Cephes' expf polynomial after range reduction, scaled by 2^n (max relative error ~2 float32 ulp) */
 static inline __m512 exp16(__m512 x) {
@@ -82,98 +111,152 @@ static inline __m512 exp16(__m512 x) {
 }
 
 /* out rows r0 .. r0+used of one KV head: each row's sum over keys (in order) of its probability times the value,
- * times inv; 4 rows a pass so a value row is converted once for 4 rows */
-static inline __attribute__((always_inline)) void weighted_values(const float *sc, const uint16_t *vh, uint16_t *out,
-                                                                  const float *inv, long used, long r0, long G, long Hq,
-                                                                  long kvh, long S, const long D) {
-    for (long l0 = 0; l0 < used; l0 += 4) {
-        long n = used - l0 < 4 ? used - l0 : 4;
-        __m512 o[4][16];  /* [row][D / 16] */
-        for (long l = 0; l < 4; l++)
-            for (long d = 0; d < D / 16; d++) o[l][d] = _mm512_setzero_ps();
-        for (long s = 0; s < S; s++) {
-            const float *pr = sc + s * 16 + l0;
-            if (pr[0] == 0.0f && (n < 2 || pr[1] == 0.0f) && (n < 3 || pr[2] == 0.0f) && (n < 4 || pr[3] == 0.0f))
-                continue;
-            for (long d = 0; d < D / 16; d++) {
-                __m512 vv = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(vh + s * D + d * 16)));
-                for (long l = 0; l < 4; l++)
-                    if (l < n) o[l][d] = _mm512_fmadd_ps(_mm512_set1_ps(pr[l]), vv, o[l][d]);
-            }
-        }
-        for (long l = 0; l < n; l++) {
-            long r = r0 + l0 + l, t = r / G, h = kvh * G + r % G;
-            for (long d = 0; d < D / 16; d++)
-                _mm256_storeu_si256((__m256i *)(out + (t * Hq + h) * D + d * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[l][d], _mm512_set1_ps(inv[l0 + l]))));
-        }
+ * times inv; 4 rows a pass so a value row is loaded once for 4 rows. One body per storage type (bf16 values and
+ * outputs converted to float32 and rounded back once; float32 as is). */
+#define WEIGHTED_VALUES(NAME, TYPE, LOAD, STORE)                                                                    \
+    static inline __attribute__((always_inline)) void NAME(const float *sc, const TYPE *vh, TYPE *out,             \
+                                                           const float *inv, long used, long r0, long G, long Hq,  \
+                                                           long kvh, long S, const long D) {                       \
+        for (long l0 = 0; l0 < used; l0 += 4) {                                                                    \
+            long n = used - l0 < 4 ? used - l0 : 4;                                                                \
+            __m512 o[4][16]; /* [row][D / 16] */                                                                   \
+            for (long l = 0; l < 4; l++)                                                                           \
+                for (long d = 0; d < D / 16; d++) o[l][d] = _mm512_setzero_ps();                                   \
+            for (long s = 0; s < S; s++) {                                                                         \
+                const float *pr = sc + s * 16 + l0;                                                                \
+                if (pr[0] == 0.0f && (n < 2 || pr[1] == 0.0f) && (n < 3 || pr[2] == 0.0f) &&                       \
+                    (n < 4 || pr[3] == 0.0f))                                                                      \
+                    continue;                                                                                      \
+                for (long d = 0; d < D / 16; d++) {                                                                \
+                    __m512 vv = LOAD(vh + s * D + d * 16);                                                         \
+                    for (long l = 0; l < 4; l++)                                                                   \
+                        if (l < n) o[l][d] = _mm512_fmadd_ps(_mm512_set1_ps(pr[l]), vv, o[l][d]);                  \
+                }                                                                                                  \
+            }                                                                                                      \
+            for (long l = 0; l < n; l++) {                                                                         \
+                long r = r0 + l0 + l, t = r / G, h = kvh * G + r % G;                                              \
+                for (long d = 0; d < D / 16; d++)                                                                  \
+                    STORE(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(o[l][d], _mm512_set1_ps(inv[l0 + l])));   \
+            }                                                                                                      \
+        }                                                                                                          \
     }
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)p));
+}
+static inline void store_bf16x16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+WEIGHTED_VALUES(weighted_values_bf16, uint16_t, load_bf16x16, store_bf16x16)
+WEIGHTED_VALUES(weighted_values_f32, float, _mm512_loadu_ps, _mm512_storeu_ps)
+
+/* per new slot j of a block: the lanes (rows r0 + l, l < used) whose query row sees it (mask NULL: T == 1) */
+static inline void lanes_seeing_new(const uint8_t *mask, long T, long G, long r0, long used, __mmask16 *sees_new) {
+    for (long j = 0; j < T; j++) {
+        sees_new[j] = 0;
+        for (long l = 0; l < used; l++)
+            if (mask == NULL || mask[((r0 + l) / G) * T + j]) sees_new[j] |= (__mmask16)(1u << l);
+    }
+}
+
+/* key s's 16 scores (one per lane), scaled and masked, stored to sc; returns the running max */
+static inline __m512 keep_score(float *sc, long s, long start, const __mmask16 *sees_new, __m512 acc, float scale,
+                                __m512 top) {
+    __m512 x = _mm512_mul_ps(acc, _mm512_set1_ps(scale));
+    if (s >= start) x = _mm512_mask_blend_ps(sees_new[s - start], _mm512_set1_ps(-INFINITY), x);
+    _mm512_storeu_ps(sc + s * 16, x);
+    return _mm512_max_ps(top, x);
+}
+
+/* softmax across keys per lane, in place (unseen keys -> 0, summed in key order); inv: 1 / each lane's total */
+static inline void softmax_lanes(float *sc, long S, __m512 top, float *inv) {
+    __m512 total = _mm512_setzero_ps();
+    for (long s = 0; s < S; s++) {
+        __m512 x = _mm512_loadu_ps(sc + s * 16);
+        __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, top)));
+        _mm512_storeu_ps(sc + s * 16, e);
+        total = _mm512_add_ps(total, e);
+    }
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+}
+
+/* One block's scores, 16 query rows (lanes) against every key s < S, scaled and masked into sc; returns the lanes'
+ * max. bf16: the queries packed as pairs (the layout of gemv_bf16), a key's 16 scores one vdpbf16ps chain over its
+ * broadcast pairs; float32: the queries lane-major per dimension, one fused multiply-add chain over d in order. KEYS
+ * keys' chains run side by side so each chain's latency is hidden; each lane's sum is in one order. */
+static inline __m512 scores_bf16(const uint16_t *q, const uint16_t *kh, long r0, long used, long G, long Hq, long kvh,
+                                 long D, long S, long start, const __mmask16 *sees_new, float scale, float *sc) {
+    uint32_t qp[128 * 16];  /* [D/2, 16] bf16 pairs of the block's queries; lane l = row r0 + l = (t, g) */
+    for (long l = 0; l < 16; l++) {
+        long r = r0 + l, t = r / G, h = kvh * G + r % G;
+        for (long dp = 0; dp < D / 2; dp++) qp[dp * 16 + l] = l < used ? ((const uint32_t *)(q + (t * Hq + h) * D))[dp] : 0;
+    }
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long s0 = 0; s0 < S; s0 += KEYS) {
+        long nk = S - s0 < KEYS ? S - s0 : KEYS;
+        __m512 acc[KEYS];
+        for (long j = 0; j < KEYS; j++) acc[j] = _mm512_setzero_ps();
+        for (long dp = 0; dp < D / 2; dp++) {
+            __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + dp * 16);
+            for (long j = 0; j < KEYS; j++)
+                if (j < nk) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(
+                    ((const uint32_t *)(kh + (s0 + j) * D))[dp]));
+        }
+        for (long j = 0; j < nk; j++) top = keep_score(sc, s0 + j, start, sees_new, acc[j], scale, top);
+    }
+    return top;
+}
+
+static inline __m512 scores_f32(const float *q, const float *kh, long r0, long used, long G, long Hq, long kvh, long D,
+                                long S, long start, const __mmask16 *sees_new, float scale, float *sc) {
+    float qf[256 * 16];  /* [D, 16]: lane l = row r0 + l = (t, g) */
+    for (long l = 0; l < 16; l++) {
+        long r = r0 + l, t = r / G, h = kvh * G + r % G;
+        for (long d = 0; d < D; d++) qf[d * 16 + l] = l < used ? q[(t * Hq + h) * D + d] : 0.0f;
+    }
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long s0 = 0; s0 < S; s0 += KEYS) {
+        long nk = S - s0 < KEYS ? S - s0 : KEYS;
+        __m512 acc[KEYS];
+        for (long j = 0; j < KEYS; j++) acc[j] = _mm512_setzero_ps();
+        for (long d = 0; d < D; d++) {
+            __m512 qv = _mm512_loadu_ps(qf + d * 16);
+            for (long j = 0; j < KEYS; j++)
+                if (j < nk) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kh[(s0 + j) * D + d]), acc[j]);
+        }
+        for (long j = 0; j < nk; j++) top = keep_score(sc, s0 + j, start, sees_new, acc[j], scale, top);
+    }
+    return top;
 }
 
 /* Attention of T new query rows over a head-major KV cache whose slots [0, start + T) hold the prefix and the new
  * tokens: row t sees every prefix slot and the new slots j with mask[t, j] (mask NULL: T == 1, the row sees itself).
  *
- * Per KV head, its G * T query rows (t, g) go 16 to a block, one per lane: a key's 16 scores are one vdpbf16ps chain
- * over the key's broadcast pairs against the block's queries packed as pairs (the layout of gemv_bf16), so no
- * horizontal sums; softmax in float32 across keys per lane; then each row's weighted sum of values. Each lane does
- * the same operations in the same order whatever shares its block.
+ * Per KV head, its G * T query rows (t, g) go 16 to a block, one per lane: the block's scores (SCORES, no horizontal
+ * sums), softmax in float32 across keys per lane, then each row's weighted sum of values (VALUES). Each lane does the
+ * same operations in the same order whatever shares its block.
  *
- * q, out: [T, Hq, D] bf16; k, v: [Hkv, cap, D] bf16; mask: [T, T] bytes or NULL; scratch: Hkv * ceil(G*T/16) *
- * (start + T) * 16 float32. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
-void attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask, uint16_t *out,
-                 long T, long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {
-    long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long item = 0; item < Hkv * blocks; item++) {
-        long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
-        const uint16_t *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;
-        float *sc = scratch + item * S * 16;
-        uint32_t qp[128 * 16];  /* [D/2, 16] bf16 pairs of the block's queries; lane l = row r0 + l = (t, g) */
-        for (long l = 0; l < 16; l++) {
-            long r = r0 + l, t = r / G, h = kvh * G + r % G;
-            for (long dp = 0; dp < D / 2; dp++)
-                qp[dp * 16 + l] = l < used ? ((const uint32_t *)(q + (t * Hq + h) * D))[dp] : 0;
-        }
-        __mmask16 sees_new[T];  /* per new slot j: the lanes whose row sees it */
-        for (long j = 0; j < T; j++) {
-            sees_new[j] = 0;
-            for (long l = 0; l < used; l++)
-                if (mask == NULL || mask[((r0 + l) / G) * T + j]) sees_new[j] |= (__mmask16)(1u << l);
-        }
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (long s0 = 0; s0 < S; s0 += KEYS) {  /* KEYS keys' chains side by side: each chain's latency hidden */
-            long nk = S - s0 < KEYS ? S - s0 : KEYS;
-            __m512 acc[KEYS];
-            for (long j = 0; j < KEYS; j++) acc[j] = _mm512_setzero_ps();
-            for (long dp = 0; dp < D / 2; dp++) {
-                __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + dp * 16);
-                for (long j = 0; j < KEYS; j++)
-                    if (j < nk) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(
-                        ((const uint32_t *)(kh + (s0 + j) * D))[dp]));
-            }
-            for (long j = 0; j < nk; j++) {
-                long s = s0 + j;
-                __m512 x = _mm512_mul_ps(acc[j], _mm512_set1_ps(scale));
-                if (s >= start) x = _mm512_mask_blend_ps(sees_new[s - start], _mm512_set1_ps(-INFINITY), x);
-                _mm512_storeu_ps(sc + s * 16, x);
-                top = _mm512_max_ps(top, x);
-            }
-        }
-        __m512 total = _mm512_setzero_ps();
-        for (long s = 0; s < S; s++) {
-            __m512 x = _mm512_loadu_ps(sc + s * 16);
-            __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, top)));
-            _mm512_storeu_ps(sc + s * 16, e);
-            total = _mm512_add_ps(total, e);
-        }
-        float inv[16];
-        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-        if (D == 64) weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64);  /* constant D: registers */
-        else if (D == 128) weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128);
-        else weighted_values(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D);
+ * q, out: [T, Hq, D]; k, v: [Hkv, cap, D] (TYPE: bf16 as uint16, or float); mask: [T, T] bytes or NULL; scratch:
+ * Hkv * ceil(G*T/16) * (start + T) * 16 float32. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
+#define ATTEND(NAME, TYPE, SCORES, VALUES)                                                                         \
+    void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,       \
+              long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                   \
+        long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
+        for (long item = 0; item < Hkv * blocks; item++) {                                                         \
+            long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;            \
+            const TYPE *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;                                           \
+            float *sc = scratch + item * S * 16;                                                                   \
+            __mmask16 sees_new[T];                                                                                 \
+            lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                      \
+            __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, S, start, sees_new, scale, sc);                    \
+            float inv[16];                                                                                         \
+            softmax_lanes(sc, S, top, inv);                                                                        \
+            if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64); /* constant D: registers */        \
+            else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128);                             \
+            else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D);                                             \
+        }                                                                                                          \
     }
-}
+ATTEND(attend_bf16, uint16_t, scores_bf16, weighted_values_bf16)
+ATTEND(attend_f32, float, scores_f32, weighted_values_f32)
 
 /* ---- whole decoder layers (Llama family: RMSNorm, fused QKV, rotate-half RoPE, GQA attention, SiLU-gated MLP) ----
  * Each elementwise step rounds to bf16 where the torch ops of decoder.py do (a float32 op, rounded once), so the

@@ -1,4 +1,4 @@
-"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 linear layers and attention, compiled once per machine.
+"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16/float32 linear layers, bf16 attention, compiled once per machine.
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -65,13 +65,15 @@ def build(source: Path, out_dir: Path) -> Path:
 class CpuKernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls; OpenMP resolves to torch's loaded runtime
-        self._gemv = lib.gemv_bf16
-        self._gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        self._gemv.restype = None
-        self._attend = lib.attend_bf16
-        self._attend.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
-                                 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
-        self._attend.restype = None
+        self._gemv = {torch.bfloat16: lib.gemv_bf16, torch.float32: lib.gemv_f32}
+        for f in self._gemv.values():
+            f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+            f.restype = None
+        self._attend = {torch.bfloat16: lib.attend_bf16, torch.float32: lib.attend_f32}
+        for f in self._attend.values():
+            f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
+                          + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+            f.restype = None
         self.decode_layers = lib.decode_layers  # called by cpu_layers.CpuLayers, which owns its arguments
         self.decode_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 8
                                        + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
@@ -80,60 +82,65 @@ class CpuKernels:
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
-        """Whether gemv_bf16 takes this weight: bf16 on the CPU, [N, K] with K even."""
-        return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
-            and weight.shape[1] % 2 == 0
+        """Whether gemv takes this weight: [N, K] on the CPU, bf16 with K even or float32."""
+        return weight.device.type == "cpu" and weight.dim() == 2 \
+            and (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
-        """The layout gemv_bf16 reads (cpu_kernels.c): column blocks of 16, input pairs innermost, zero-padded.
+        """The layout gemv reads (cpu_kernels.c): column blocks of 16, zero-padded; bf16 keeps input pairs innermost.
 
-        # weight: [N, K] bf16 -> [ceil(N/16), K/2, 16, 2]
+        # weight: [N, K] bf16 -> [ceil(N/16), K/2, 16, 2]; float32 -> [ceil(N/16), K, 16]
         """
         N, K = weight.shape
         blocks = -(-N // 16)
         padded = weight.new_zeros((blocks * 16, K))
         padded[:N] = weight
+        if weight.dtype == torch.float32:
+            return padded.view(blocks, 16, K).transpose(1, 2).contiguous()
         return padded.view(blocks, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    def gemv_bf16(self, x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ b) for W = the n-row weight `packed` came from; float32 accumulation, rounded to bf16 once.
+    def gemv(self, x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ b) for W = the n-row weight `packed` came from, in its dtype; float32 accumulation (bf16: rounded
+        to bf16 once), every output summed in one order whatever the other rows.
 
-        # x: [M, K] bf16, packed: pack(W [n, K]), b: [n] float32 or None -> [M, n] bf16
+        # x: [M, K] (packed's dtype), packed: pack(W [n, K]), b: [n] float32 or None -> [M, n]
         """
         x = x.contiguous()
         M, K = x.shape
-        y = torch.empty((M, n), dtype=torch.bfloat16)
-        self._gemv(x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), M, n, K,
-                   torch.get_num_threads())
+        assert x.dtype == packed.dtype, (x.dtype, packed.dtype)
+        y = torch.empty((M, n), dtype=x.dtype)
+        self._gemv[x.dtype](x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), M, n,
+                            K, torch.get_num_threads())
         return y
 
     @staticmethod
     def attend_scratch(T: int, Hq: int, Hkv: int, start: int) -> torch.Tensor:
-        """attend_bf16's float32 scores for T rows after `start` slots: 16 rows (lanes) a block per KV head."""
+        """attend's float32 scores for T rows after `start` slots: 16 rows (lanes) a block per KV head."""
         blocks = -(-(Hq // Hkv) * T // 16)
         return torch.empty((Hkv * blocks, start + T, 16), dtype=torch.float32)
 
     @staticmethod
     def attends(head_dim: int, n_q: int, n_kv: int) -> bool:
-        """Whether attend_bf16 takes these shapes."""
+        """Whether attend takes these shapes."""
         return head_dim % 32 == 0 and head_dim <= 256 and n_q % n_kv == 0
 
-    def attend_bf16(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
-                    scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
         """Rows of q attend the slots [0, start) of k/v and the new slots [start, start + T) under mask.
 
-        # q: [T, Hq, D] bf16, k/v: [Hkv, cap, D] bf16 (one layer of the cache), mask: [T, T] bool or None (T == 1)
-        # -> [T, Hq, D] bf16
+        # q: [T, Hq, D] bf16 or float32, k/v: [Hkv, cap, D] same dtype (one layer of the cache), mask: [T, T] bool or
+        # None (T == 1) -> [T, Hq, D] q's dtype
         """
         q = q.contiguous()
         T, Hq, D = q.shape
         Hkv, cap = k.shape[0], k.shape[1]
         assert k.is_contiguous() and v.is_contiguous() and (mask is not None or T == 1)
+        assert q.dtype == k.dtype == v.dtype and q.dtype in self._attend, (q.dtype, k.dtype, v.dtype)
         mask = None if mask is None else mask.contiguous()
         out = torch.empty_like(q)
         scores = self.attend_scratch(T, Hq, Hkv, start)
-        self._attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
+        self._attend[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
                      out.data_ptr(), T, Hq, Hkv, D, start, scale, scores.data_ptr(), torch.get_num_threads())
         return out
 

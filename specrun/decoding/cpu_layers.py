@@ -44,7 +44,7 @@ class CpuLayers:
             p.ln1, p.ln2 = L.ln1.weight.data_ptr(), L.ln2.weight.data_ptr()
             for name in ("qkv", "o", "gate_up", "down"):
                 lin = getattr(L, name)
-                setattr(p, name, lin._vnni.data_ptr())
+                setattr(p, name, lin._own.data_ptr())
                 setattr(p, "b_" + name, _ptr(lin._bias32))
         self._cache_ptrs: tuple[int, int, int] | None = None
 
@@ -57,7 +57,7 @@ class CpuLayers:
         for L in dec.layers:  # one scale and eps for all (passed once), SiLU, plain norms, packed weights
             if L.q_norm is not None or type(L.act).__name__ not in ("SiLUActivation", "SiLU") \
                     or not (_plain_rms_norm(L.ln1) and _plain_rms_norm(L.ln2)) \
-                    or any(lin._vnni is None for lin in (L.qkv, L.o, L.gate_up, L.down)) or L.scaling != first.scaling \
+                    or any(lin._own is None for lin in (L.qkv, L.o, L.gate_up, L.down)) or L.scaling != first.scaling \
                     or not L.ln1.variance_epsilon == L.ln2.variance_epsilon == first.ln1.variance_epsilon:
                 return None
         if not CpuKernels.attends(dec.head_dim, dec.n_q, dec.n_kv):

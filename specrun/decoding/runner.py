@@ -33,9 +33,9 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.mask_buf: torch.Tensor | None = None  # [max_rows, capacity] bool, all True outside a forward
         self.queries: list[torch.Tensor] = []  # per layer q [Hq, T, D] of the last forward that captured them
-        on_cpu_bf16 = lm.device.type == "cpu" and lm.dtype == torch.bfloat16 and backend == "sdpa"
+        ours = lm.device.type == "cpu" and lm.dtype in (torch.bfloat16, torch.float32) and backend == "sdpa"
         fits = CpuKernels.attends(self.head_dim, cfg.num_attention_heads, self.n_kv_heads)
-        self.kernels = cpu_kernels() if on_cpu_bf16 and fits else None  # attention of the sdpa backend
+        self.kernels = cpu_kernels() if ours and fits else None  # attention of the sdpa backend
 
     def reset(self, capacity: int) -> None:
         """Empty the cache, growing buffers if this generation needs more slots."""

@@ -1,5 +1,5 @@
-"""Our CPU kernel (cpu_kernels.c): the float64 product rounded once to bf16, the same for a row whatever runs beside it,
-and a clean fallback to torch's path where it cannot be built."""
+"""Our CPU kernels (cpu_kernels.c): the float64 product within float32 accumulation error (bf16: rounded once), the same
+for a row whatever runs beside it, and a clean fallback to torch's path where they cannot be built."""
 
 import pytest
 import torch
@@ -11,10 +11,10 @@ kernels = ck.cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
 
 
-def _operands(M, N, K, bias, seed=0):
+def _operands(M, N, K, bias, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).bfloat16()
-    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
     b = torch.randn(N, generator=g) if bias else None
     return x, w, b
 
@@ -23,9 +23,9 @@ def _operands(M, N, K, bias, seed=0):
 @pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 97, 48), (2, 64, 576), (3, 7, 100), (2, 1, 2), (1, 4100, 1536),
                                    (9, 40, 20), (17, 33, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_is_the_exact_product_rounded_once(M, N, K, bias):
+def test_gemv_bf16_is_the_exact_product_rounded_once(M, N, K, bias):
     x, w, b = _operands(M, N, K, bias)
-    y = kernels.gemv_bf16(x, kernels.pack(w), N, b)
+    y = kernels.gemv(x, kernels.pack(w), N, b)
     exact = x.double() @ w.double().T + (0 if b is None else b.double())  # [M, N]
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     # bf16 products are exact in float32; their float32 sum is off by at most K * 2^-24 * sum |x w|, and the final
@@ -36,31 +36,52 @@ def test_gemv_is_the_exact_product_rounded_once(M, N, K, bias):
 
 
 @needs_kernels
-def test_a_row_does_not_depend_on_its_neighbours_or_the_threads():
-    x, w, b = _operands(19, 203, 576, True, seed=1)
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 97, 47), (2, 64, 576), (3, 7, 100), (1, 4100, 1536), (9, 40, 20),
+                                   (17, 33, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_f32_is_the_exact_product_within_float32_rounding(M, N, K, bias):
+    x, w, b = _operands(M, N, K, bias, dtype=torch.float32)
+    y = kernels.gemv(x, kernels.pack(w), N, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())  # [M, N]
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    # K fused multiply-adds and the bias: each rounds once, by at most 2^-24 of a partial sum bounded by sum |x w| + |b|
+    err = (K + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs()))
+    assert ((y.double() - exact).abs() <= err).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_does_not_depend_on_its_neighbours_or_the_threads(dtype):
+    x, w, b = _operands(19, 203, 576, True, seed=1, dtype=dtype)
     packed = kernels.pack(w)
-    together = kernels.gemv_bf16(x, packed, 203, b)  # rows in passes of 8: 8 + 8 + 3
+    together = kernels.gemv(x, packed, 203, b)  # rows in passes of 8: 8 + 8 + 3
     for m in range(19):
-        assert torch.equal(kernels.gemv_bf16(x[m : m + 1], packed, 203, b), together[m : m + 1])
-    assert torch.equal(kernels.gemv_bf16(x[5:9], packed, 203, b), together[5:9])
+        assert torch.equal(kernels.gemv(x[m : m + 1], packed, 203, b), together[m : m + 1])
+    assert torch.equal(kernels.gemv(x[5:9], packed, 203, b), together[5:9])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.gemv_bf16(x, packed, 203, b), together)
+        assert torch.equal(kernels.gemv(x, packed, 203, b), together)
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_kernels
-def test_linear_takes_the_kernel_in_bf16_only():
-    x, w, _ = _operands(6, 96, 64, False, seed=2)
-    b = torch.randn(96).bfloat16()
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_linear_takes_the_kernel_in_bf16_and_float32(dtype, tol):
+    x, w, _ = _operands(6, 96, 64, False, seed=2, dtype=dtype)
+    b = torch.randn(96).to(dtype)
     lin = Linear(w, b)
-    assert lin.packed and torch.equal(lin(x), kernels.gemv_bf16(x, kernels.pack(w), 96, b.float()))
+    assert lin.packed and torch.equal(lin(x), kernels.gemv(x, kernels.pack(w), 96, b.float()))
     assert torch.equal(lin(x.view(2, 3, 64)), lin(x).view(2, 3, 96))  # leading dims folded into rows
-    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-2, atol=1e-2)
-    assert Linear(w.float())._kernels is None and Linear(w.half())._kernels is None  # float32/fp16: torch's paths
-    assert Linear(w[:, :63].contiguous())._kernels is None  # odd K: oneDNN
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=tol, atol=tol)
+
+
+@needs_kernels
+def test_linear_leaves_fp16_float64_and_odd_bf16_to_torch():
+    _, w, _ = _operands(6, 96, 64, False, seed=2)
+    assert Linear(w.half())._kernels is None and Linear(w.double())._kernels is None
+    assert Linear(w[:, :63].contiguous())._kernels is None  # odd K in bf16: oneDNN
 
 
 def test_switched_off_or_unbuildable_means_torch_path(monkeypatch, tmp_path):
@@ -108,28 +129,33 @@ def _attention_reference(q, k, v, start, mask, scale):
     return out
 
 
-def _cache(Hkv, cap, D, seed):
+def _cache(Hkv, cap, D, seed, dtype):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(Hkv, cap, D, generator=g).bfloat16(), torch.randn(Hkv, cap, D, generator=g).bfloat16()
+    return torch.randn(Hkv, cap, D, generator=g).to(dtype), torch.randn(Hkv, cap, D, generator=g).to(dtype)
+
+
+DTYPES = pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 
 
 @needs_kernels
+@DTYPES
 @pytest.mark.parametrize("Hq,Hkv,D,start", [(9, 3, 64, 37), (4, 4, 32, 0), (8, 2, 128, 300)])
 @pytest.mark.parametrize("mask", [None, [[1, 0], [1, 1]], [[1, 0], [0, 1]]])
-def test_attention_matches_float64_reference(Hq, Hkv, D, start, mask):
+def test_attention_matches_float64_reference(Hq, Hkv, D, start, mask, dtype, tol):
     mask = None if mask is None else torch.tensor(mask, dtype=torch.bool)
     T = 1 if mask is None else mask.shape[0]
-    k, v = _cache(Hkv, start + T + 5, D, seed=start)  # 5 spare slots past the new tokens: never read
+    k, v = _cache(Hkv, start + T + 5, D, seed=start, dtype=dtype)  # 5 spare slots past the new tokens: never read
     k[:, start + T :] = v[:, start + T :] = float("nan")
-    q = torch.randn(T, Hq, D, generator=torch.Generator().manual_seed(7)).bfloat16()
-    out = kernels.attend_bf16(q, k, v, start, mask, D**-0.5)
-    assert out.shape == (T, Hq, D) and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, start, mask, D**-0.5), atol=1e-2, rtol=1e-2)
+    q = torch.randn(T, Hq, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    out = kernels.attend(q, k, v, start, mask, D**-0.5)
+    assert out.shape == (T, Hq, D) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, start, mask, D**-0.5), atol=tol, rtol=tol)
 
 
 @needs_kernels
+@DTYPES
 @pytest.mark.parametrize("T", [6, 23])
-def test_wide_attention_matches_the_reference_and_rows_are_independent(T):
+def test_wide_attention_matches_the_reference_and_rows_are_independent(T, dtype, tol):
     """A tree mask over T new tokens (rows in blocks of 16 lanes per KV head: 18 and 69 rows): the float64 reference,
     and each row's output unchanged when every other row's query changes."""
     g = torch.Generator().manual_seed(T)
@@ -137,26 +163,26 @@ def test_wide_attention_matches_the_reference_and_rows_are_independent(T):
     mask = torch.eye(T, dtype=torch.bool)
     for j in range(1, T):
         mask[j] |= mask[parents[j]]  # a row sees its ancestors
-    k, v = _cache(3, 50 + T, 64, seed=T)
-    q = torch.randn(T, 9, 64, generator=g).bfloat16()
-    out = kernels.attend_bf16(q, k, v, 50, mask, 0.125)
-    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, 50, mask, 0.125), atol=1e-2, rtol=1e-2)
+    k, v = _cache(3, 50 + T, 64, seed=T, dtype=dtype)
+    q = torch.randn(T, 9, 64, generator=g).to(dtype)
+    out = kernels.attend(q, k, v, 50, mask, 0.125)
+    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, 50, mask, 0.125), atol=tol, rtol=tol)
     for t in (0, T // 2, T - 1):
-        other = torch.randn(T, 9, 64, generator=g).bfloat16()
+        other = torch.randn(T, 9, 64, generator=g).to(dtype)
         other[t] = q[t]
-        assert torch.equal(kernels.attend_bf16(other, k, v, 50, mask, 0.125)[t], out[t])
+        assert torch.equal(kernels.attend(other, k, v, 50, mask, 0.125)[t], out[t])
 
 
 @needs_kernels
-def test_attention_row_is_the_same_alone_or_beside_another():
-    k, v = _cache(3, 64, 64, seed=3)
-    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
-    both = kernels.attend_bf16(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125)
-    assert torch.equal(kernels.attend_bf16(q[:1], k, v, 40, None, 0.125), both[:1])  # row 0 sees 40 + its own slot
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_row_is_the_same_alone_or_beside_another(dtype):
+    k, v = _cache(3, 64, 64, seed=3, dtype=dtype)
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    both = kernels.attend(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125)
+    assert torch.equal(kernels.attend(q[:1], k, v, 40, None, 0.125), both[:1])  # row 0 sees 40 + its own slot
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.attend_bf16(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125),
-                           both)
+        assert torch.equal(kernels.attend(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125), both)
     finally:
         torch.set_num_threads(threads)
