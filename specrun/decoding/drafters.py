@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from specrun.decoding.ngram import NGramPool
+from specrun.decoding.ngram import NGramPool, SuffixCopy
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.trie import Draft, DraftContext
 
@@ -22,6 +22,7 @@ NEEDS_HEADS = ("heads", "fused")
 NEEDS_DRAFTER = ("recurrent",)  # a trained recurrent drafter (specrun train-drafter, or the one shipped for the model)
 NOISE_COUPLED = ("recurrent",)  # draft with AR's own Gumbel noise (accepted beyond their drafted probability mass)
 AUTO_DRAFTERS = ("heads", "recurrent", "ngram", "recycling")  # --draft auto: those that need weights only with them
+COPY_NODES = 64  # the n-gram drafter's copied chain fills at most this many trie nodes (root included)
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,15 @@ class Drafter(Protocol):
     def commit(self, tokens: list[int]) -> None: ...
 
 
-class NGramDrafter:
-    """TokenSwift token reutilization: the most frequent 3-token continuations, as chains.
+def _chain(tokens: list[int], source: int) -> Draft:
+    return Draft(tokens, list(range(-1, len(tokens) - 1)), source)
 
-    Keyed by a heads drafter's guess of the next token when there is one (chains root -> guess -> ...), else by the root.
+
+class NGramDrafter:
+    """TokenSwift token reutilization, led by a copy: first what followed the last earlier occurrence of the last 3
+    committed tokens (prompt lookup, as long as the trie allows: a repeating passage is accepted whole), then the most
+    frequent 3-token continuations as chains, keyed by a heads drafter's guess of the next token when there is one
+    (root -> guess -> ...), else by the root.
     """
 
     name = "ngram"
@@ -57,25 +63,28 @@ class NGramDrafter:
     def __init__(self, topk: int):
         self.topk = topk
         self.pool = NGramPool(n=4, topk=max(topk, 1))
+        self.copy = SuffixCopy(key=3)
 
     def start(self, seq: list[int]) -> None:
         self.pool.reset()
         self.pool.extend(seq)
+        self.copy.reset()
+        self.copy.extend(seq)
 
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
         if self.topk == 0:
             return []
         head = [ctx.root] if ctx.guess is None else [ctx.root, ctx.guess]
-        return [
-            Draft([*head, *c], list(range(-1, len(head) + len(c) - 1)), source)
-            for c in self.pool.query(head[-1], self.topk)
-        ]
+        copied = self.copy.follow(min(ctx.budget, COPY_NODES) - 1)
+        return [_chain([ctx.root, *copied], source)] * bool(copied) + [
+            _chain([*head, *c], source) for c in self.pool.query(head[-1], self.topk)]
 
     def observe(self, v: Verified) -> None:
         pass
 
     def commit(self, tokens: list[int]) -> None:
         self.pool.extend(tokens)
+        self.copy.extend(tokens)
 
 
 class RecyclingDrafter:

@@ -88,3 +88,41 @@ class NGramPool:
             top[pos] = top[pos - 1]
             pos -= 1
         top[pos] = cont
+
+
+class SuffixCopy:
+    """Prompt-lookup drafting without rescans: where each `key`-token context last occurred in the committed sequence.
+
+    follow(limit) -> the tokens that came after the previous occurrence of the sequence's last `key` tokens, continued
+    periodically past the sequence's end (a loop repeats); [] if those tokens never occurred before. Each added token
+    costs O(key) (DESIGN.md I5), a follow O(limit).
+    """
+
+    def __init__(self, key: int = 3) -> None:
+        if key < 1:
+            raise ValueError(f"suffix key length must be >= 1, got {key}")
+        self.key = key
+        self.reset()
+
+    def reset(self) -> None:
+        self.seq: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # context -> index of the token after its latest occurrence
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq, k = self.seq, self.key
+        for t in tokens:
+            seq.append(int(t))
+            i = len(seq) - 1  # the context ending just before token i is indexed once i exists: the sequence's own
+            if i >= k:  # last context stays out, so follow() finds the one before it
+                self._after[tuple(seq[i - k : i])] = i
+
+    def follow(self, limit: int) -> list[int]:
+        seq, n = self.seq, len(self.seq)
+        start = self._after.get(tuple(seq[n - self.key :])) if n >= self.key else None
+        if start is None or limit <= 0:
+            return []
+        period = n - start  # the match ends `period` tokens before the sequence does
+        out: list[int] = []
+        for j in range(limit):
+            out.append(seq[start + j] if start + j < n else out[j - period])
+        return out

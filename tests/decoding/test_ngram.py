@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from specrun.decoding.ngram import NGramPool
+from specrun.decoding.drafters import NGramDrafter
+from specrun.decoding.ngram import NGramPool, SuffixCopy
+from specrun.decoding.trie import DraftContext
 
 A, B = (1, 2, 3), (4, 5, 6)
 
@@ -102,3 +104,56 @@ def test_matches_brute_force(n: int, topk: int, vocab: int) -> None:
         for first in range(vocab):
             k = rng.randrange(0, topk + 2)
             assert pool.query(first, k=k) == _brute_force(seq, n, first, min(k, topk))
+
+
+def _copy_brute_force(seq: list[int], key: int, limit: int) -> list[int]:
+    """Rescan: the latest earlier occurrence of the last `key` tokens, and what followed it, read on past the end as
+    the repetition it would be."""
+    n = len(seq)
+    for start in range(n - 1, key - 1, -1):  # start: index of the token after an occurrence ending before n - 1
+        if start < n and seq[start - key : start] == seq[n - key :]:
+            out = []
+            for j in range(limit):
+                out.append(seq[start + j] if start + j < n else out[j - (n - start)])
+            return out
+    return []
+
+
+def test_copy_follows_the_previous_occurrence_and_repeats_a_loop() -> None:
+    copy = SuffixCopy(key=3)
+    copy.extend([1, 2, 3, 4, 5, 1, 2, 3])
+    assert copy.follow(8) == [4, 5, 1, 2, 3, 4, 5, 1]  # a 5-token loop read on past the end
+    assert copy.follow(2) == [4, 5] and copy.follow(0) == []
+    copy.extend([9])
+    assert copy.follow(4) == []  # (2, 3, 9) never occurred before
+    copy.reset()
+    copy.extend([7, 7, 7])
+    assert copy.follow(3) == []  # the sequence's own last context is not an earlier occurrence
+    copy.extend([7])
+    assert copy.follow(3) == [7, 7, 7]
+    with pytest.raises(ValueError, match="key length"):
+        SuffixCopy(key=0)
+
+
+@pytest.mark.parametrize("key,vocab", [(3, 3), (2, 4), (1, 5), (3, 2)])
+def test_copy_matches_a_rescan_whatever_the_chunks(key: int, vocab: int) -> None:
+    rng = random.Random(key * 10 + vocab)
+    for _ in range(20):
+        copy, seq = SuffixCopy(key=key), []
+        while len(seq) < 200:
+            chunk = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+            copy.extend(chunk)
+            seq.extend(chunk)
+            limit = rng.randrange(0, 12)
+            assert copy.follow(limit) == _copy_brute_force(seq, key, limit), (seq, limit)
+
+
+def test_ngram_drafter_leads_with_the_copy_as_long_as_the_budget() -> None:
+    d = NGramDrafter(topk=5)
+    d.start([5, 6, 7, 8, 9, 5, 6])
+    d.commit([7])  # the committed sequence ends 5 6 7: last seen before 8 9 5 6 7 ...
+    drafts = d.propose(DraftContext(root=7, position=7, budget=6), source=0)
+    assert drafts[0].tokens == [7, 8, 9, 5, 6, 7] and drafts[0].parents == [-1, 0, 1, 2, 3, 4]
+    assert [dr.tokens for dr in drafts[1:]] == [[7, 8, 9, 5]]  # then the 4-gram continuations of the root
+    assert len(d.propose(DraftContext(root=7, position=7, budget=1 << 30), source=0)[0].tokens) == 64  # COPY_NODES
+    assert NGramDrafter(topk=0).propose(DraftContext(root=7, position=7, budget=6), source=0) == []
