@@ -1,4 +1,4 @@
-"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16/float32 linear layers, bf16 attention, compiled once per machine.
+"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers and attention, compiled once.
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -109,6 +109,7 @@ class CpuKernels:
         x = x.contiguous()
         M, K = x.shape
         assert x.dtype == packed.dtype, (x.dtype, packed.dtype)
+        assert b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.numel() == n), "bias: float32 [n]"
         y = torch.empty((M, n), dtype=x.dtype)
         self._gemv[x.dtype](x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), M, n,
                             K, torch.get_num_threads())

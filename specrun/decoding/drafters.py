@@ -55,7 +55,7 @@ class NGramDrafter:
     """TokenSwift token reutilization, led by a copy: first what followed the last earlier occurrence of the last 3
     committed tokens (prompt lookup, as long as the trie allows: a repeating passage is accepted whole), then the most
     frequent 3-token continuations as chains, keyed by a heads drafter's guess of the next token when there is one
-    (root -> guess -> ...), else by the root.
+    (root -> guess -> ...), else by the root. topk 0 turns both off.
     """
 
     name = "ngram"

@@ -321,7 +321,9 @@ def test_sampled_with_a_stop_is_lossless(lm):
 
 def test_a_stop_on_the_last_allowed_token_is_a_stop_and_one_beyond_is_length(lm, reference):
     out, _, cands = reference
-    k, stop = next((k, s) for k, s in cands if out[k] not in out[:k])  # the stop token must not occur before k
+    fresh = [(k, s) for k, s in cands if out[k] not in out[:k]]  # the stop token must not occur before k
+    assert fresh, (out, cands)
+    k, stop = fresh[0]
     params = SamplingParams(max_tokens=k + 1, ignore_eos=True, stop_token_ids=[out[k]], stop=stop)
     res, _ = _generate(lm, PLAIN, params)
     assert res.token_ids == out[: k + 1] and res.finish_reason == "stop"  # a stop on the last allowed token
