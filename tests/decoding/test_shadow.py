@@ -6,7 +6,7 @@ import specrun.decoding.engine as engine_mod
 from specrun.decoding.budget import EXPLORE_MAX_AR, EXPLORE_MAX_SHADOWED, BudgetTuner
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.shadow import SHADOW_EVERY, Shadow, shadowable
+from specrun.decoding.shadow import SHADOW_EVERY, SHADOW_SOON, SHADOW_SOON_PATH, Shadow, shadowable
 from specrun.decoding.trie import Draft, build_trie
 
 
@@ -62,6 +62,23 @@ def test_shadows_are_taken_every_so_many_plain_steps_one_at_a_time():
         shadow.resolve(out)
     assert taken == [SHADOW_EVERY * k for k in range(4)]
     assert shadowable(("ngram", "recycling")) and not shadowable(("heads", "ngram")) and not shadowable(())
+
+
+@pytest.mark.parametrize("hits", [True, False])
+def test_a_shadow_that_accepted_drafts_brings_the_next_one_sooner(hits):
+    """A repeating text: the chain 5 -> 7 -> 7 -> 7 is what AR emits at every step (3 drafted tokens accepted), or
+    never is; a shadow resolves 2 steps after it is taken (its deepest node needs 3 tokens)."""
+    assert SHADOW_SOON < SHADOW_EVERY and SHADOW_SOON_PATH <= 3
+    trie = build_trie(5, [Draft([5, 7, 7, 7], [-1, 0, 1, 2], 0)], 8, "cpu")
+    shadow, taken, out = Shadow(), [], []
+    for step in range(40):
+        if shadow.due():
+            shadow.take(trie, len(out))
+            taken.append(step)
+        out.append(7 if hits else 0)
+        shadow.resolve(out)
+    gap = 2 + (SHADOW_SOON if hits else SHADOW_EVERY)
+    assert taken == list(range(0, 40, gap))
 
 
 def _ar_wins(t: BudgetTuner) -> None:
