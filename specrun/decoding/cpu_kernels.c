@@ -141,6 +141,8 @@ static inline __m512 exp16(__m512 x) {
             }                                                                                                      \
         }                                                                                                          \
     }
+/* unmasked loads and stores: the layers' load16/store16 with a full mask here made 8-row attention 1.4x slower (gcc
+ * keeps the masked forms in this inner loop; 109 -> 155 us bf16, 131 -> 192 us float32, 1,000 keys) */
 static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)p));
 }

@@ -76,8 +76,8 @@ class NGramDrafter:
             return []
         head = [ctx.root] if ctx.guess is None else [ctx.root, ctx.guess]
         copied = self.copy.follow(min(ctx.budget, COPY_NODES) - 1)
-        return [_chain([ctx.root, *copied], source)] * bool(copied) + [
-            _chain([*head, *c], source) for c in self.pool.query(head[-1], self.topk)]
+        drafts = [_chain([ctx.root, *copied], source)] if copied else []
+        return drafts + [_chain([*head, *c], source) for c in self.pool.query(head[-1], self.topk)]
 
     def observe(self, v: Verified) -> None:
         pass

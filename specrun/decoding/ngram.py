@@ -121,8 +121,5 @@ class SuffixCopy:
         start = self._after.get(tuple(seq[n - self.key :])) if n >= self.key else None
         if start is None or limit <= 0:
             return []
-        period = n - start  # the match ends `period` tokens before the sequence does
-        out: list[int] = []
-        for j in range(limit):
-            out.append(seq[start + j] if start + j < n else out[j - period])
-        return out
+        period = n - start  # the match ends `period` tokens before the sequence does: past the end, the copy repeats
+        return [seq[start + j % period] for j in range(limit)]

@@ -13,8 +13,10 @@ from specrun.decoding.drafters import NEEDS_HEADS
 from specrun.decoding.trie import Trie, walk
 
 SHADOW_EVERY = 16  # steps between shadow tries of one sequence (a full n-gram + recycling draft: ~0.4 ms)
-SHADOW_SOON = 4  # ... after a shadow that accepted SHADOW_SOON_PATH drafted tokens or more: where wide tries pay (a
-SHADOW_SOON_PATH = 2  # repeating passage) the tuner learns it 4x sooner, where drafts miss (sampled text) it pays as before
+# after a shadow that accepted SHADOW_SOON_PATH drafted tokens or more, the next comes SHADOW_SOON steps later: where wide
+# tries pay (a repeating passage) the tuner learns it 4x sooner; where drafts miss (sampled text) shadows cost as before
+SHADOW_SOON = 4
+SHADOW_SOON_PATH = 2
 
 
 def shadowable(drafters: tuple[str, ...]) -> bool:
@@ -55,5 +57,6 @@ class Shadow:
         choice[: known.numel()] = known
         self.trie = None
         path = walk(trie, choice.to(trie.depths.device)[trie.depths]).tolist()[1:]
-        self.wait = (SHADOW_SOON if len(path) >= SHADOW_SOON_PATH else SHADOW_EVERY) - 1  # counted from now: due()
-        return path  # counts no step while a trie is in flight
+        # the wait runs from here: due() counts no step while a trie is in flight
+        self.wait = (SHADOW_SOON if len(path) >= SHADOW_SOON_PATH else SHADOW_EVERY) - 1
+        return path
