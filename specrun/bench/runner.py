@@ -1,4 +1,5 @@
 """Side-by-side benchmark: HF generate (AR, prompt lookup) and specrun configurations, interleaved and repeated.
+By default the specrun configurations of a repeat run in lockstep, a step each in turn, so they share the host's load.
 
 run_bench(lm, hf_lm, prompt_ids, params, base, settings) -> raw per-run measurements (report.summarize aggregates them).
 """
@@ -50,6 +51,8 @@ class BenchSettings:
     lengths: tuple[int, ...] = ()  # report throughput when each of these generated lengths is reached
     warmup: int = 16  # untimed tokens generated once per configuration first (0 = none)
     heads_path: str | None = None
+    lockstep: bool = True  # a repeat's specrun runs take turns a step at a time (each timed by its own steps only);
+    # False: one whole run after another (each engine alone in memory)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -70,7 +73,7 @@ class Measurement:
     name: str
     repeat: int
     token_ids: list[int]
-    seconds: float  # wall clock of the whole call, prefill included
+    seconds: float  # the run's own time, prefill included (in lockstep: the sum of its own steps)
     at_length: dict[int, float] = field(default_factory=dict)  # generated length -> seconds when first reached
     stats: dict = field(default_factory=dict)  # specrun GenerationResult.stats ({} for HF)
 
@@ -155,28 +158,28 @@ def hf_generation_config(params: SamplingParams, n: int, eos_ids, pad_id: int | 
 
 
 class _LengthClock:
-    """Records the wall time at which each watched generated length is first reached; counts emitted tokens."""
+    """Records the elapsed time at which each watched generated length is first reached; counts emitted tokens."""
 
-    def __init__(self, lengths: tuple[int, ...], t0: float):
-        self.pending, self.t0, self.count, self.at = sorted(lengths), t0, 0, {}
+    def __init__(self, lengths: tuple[int, ...]):
+        self.pending, self.count, self.at = sorted(lengths), 0, {}
 
-    def add(self, k: int) -> None:
+    def add(self, k: int, elapsed: float) -> None:
         self.count += k
         while self.pending and self.count >= self.pending[0]:
-            self.at[self.pending.pop(0)] = time.perf_counter() - self.t0
+            self.at[self.pending.pop(0)] = elapsed
 
 
 class _HFStreamer:
     """transformers streamer protocol: put() is called with the prompt first, then with each new token chunk."""
 
-    def __init__(self, clock: _LengthClock):
-        self.clock, self.seen_prompt = clock, False
+    def __init__(self, clock: _LengthClock, t0: float):
+        self.clock, self.t0, self.seen_prompt = clock, t0, False
 
     def put(self, value) -> None:
         if not self.seen_prompt:
             self.seen_prompt = True
             return
-        self.clock.add(int(value.numel()))
+        self.clock.add(int(value.numel()), time.perf_counter() - self.t0)
 
     def end(self) -> None:
         pass
@@ -195,29 +198,60 @@ def run_hf(hf_lm, prompt_ids: list[int], params: SamplingParams, n: int, extra: 
     torch.manual_seed(params.seed)
     _sync(hf_lm.device)
     t0 = time.perf_counter()
-    clock = _LengthClock(tuple(lengths), t0)
+    clock = _LengthClock(tuple(lengths))
     with torch.inference_mode():
         out = hf_lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg,
-                                   streamer=_HFStreamer(clock) if lengths else None)
+                                   streamer=_HFStreamer(clock, t0) if lengths else None)
     _sync(hf_lm.device)
     seconds = time.perf_counter() - t0
     return out[0, len(prompt_ids):].tolist(), seconds, clock.at
 
 
+class _Stepped:
+    """One specrun run driven a step at a time (Engine.steps), timed by its own steps only."""
+
+    def __init__(self, lm, config: EngineConfig, prompt_ids: list[int], params: SamplingParams, lengths=()):
+        self.device = lm.device
+        self.steps = Engine(lm, config).steps(prompt_ids, params)  # construction is not timed
+        self.clock = _LengthClock(tuple(lengths))
+        self.seconds, self.result, self.started = 0.0, None, False
+
+    def advance(self) -> bool:
+        """One step (the first also prefills); False once the run has ended."""
+        _sync(self.device)
+        t = time.perf_counter()
+        try:
+            emitted = self.steps.send(False) if self.started else next(self.steps)
+        except StopIteration as end:
+            self.result = end.value
+            emitted = []
+        _sync(self.device)
+        self.seconds += time.perf_counter() - t
+        self.started = True
+        self.clock.add(len(emitted), self.seconds)
+        return self.result is None
+
+    def outcome(self) -> tuple[list[int], float, dict, dict]:
+        n = self.result.stats.get("new_tokens", len(self.result.token_ids))
+        # the engine's own seconds are wall time since its start: in lockstep they include the other runs' steps
+        stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0}
+        return self.result.token_ids, self.seconds, self.clock.at, stats
+
+
 def run_specrun(lm, config: EngineConfig, prompt_ids: list[int], params: SamplingParams, lengths=()):
     """A fresh Engine (cold drafters: no recycling state from earlier runs) -> (tokens, seconds, {length: s}, stats)."""
-    engine = Engine(lm, config)  # construction (and any calibration) is not timed
-    _sync(lm.device)
-    t0 = time.perf_counter()
-    clock = _LengthClock(tuple(lengths), t0)
+    return run_lockstep(lm, [config], prompt_ids, params, lengths)[0]
 
-    def on_step(tokens: list[int]) -> bool:
-        clock.add(len(tokens))
-        return False
 
-    result = engine.generate(prompt_ids, params, on_step=on_step if lengths else None)
-    _sync(lm.device)
-    return result.token_ids, time.perf_counter() - t0, clock.at, result.stats
+def run_lockstep(lm, configs: list[EngineConfig], prompt_ids: list[int], params: SamplingParams, lengths=()
+                 ) -> list[tuple[list[int], float, dict, dict]]:
+    """Several configurations side by side: each takes a step in turn, in order, until all have ended; each is timed
+    by its own steps, so a slow spell of a shared host falls on all of them alike. -> per config as run_specrun"""
+    runs = [_Stepped(lm, c, prompt_ids, params, lengths) for c in configs]
+    live = list(runs)
+    while live:
+        live = [r for r in live if r.advance()]
+    return [r.outcome() for r in runs]
 
 
 def bench_params(params: SamplingParams, n: int) -> SamplingParams:
@@ -227,7 +261,8 @@ def bench_params(params: SamplingParams, n: int) -> SamplingParams:
 
 def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned, settings: BenchSettings,
               log: Callable[[str], None] = lambda m: None) -> list[Measurement]:
-    """Every planned configuration `repeat` times, interleaved (the order rotates each repeat); warm-up untimed.
+    """Every planned configuration `repeat` times, interleaved (the order rotates each repeat); warm-up untimed. With
+    settings.lockstep a repeat's specrun runs go first, in lockstep (run_lockstep), then its HF runs one by one.
 
     params.max_tokens is overridden by settings.max_tokens and stop rules are off so every run has the same length.
     """
@@ -246,8 +281,13 @@ def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned,
     out: list[Measurement] = []
     for r in range(settings.repeat):
         k = r % len(planned)
-        for spec, target in planned[k:] + planned[:k]:
-            toks, seconds, at, stats = once(spec, target, params, settings.lengths)
+        order = planned[k:] + planned[:k]
+        together = [(spec, t) for spec, t in order if spec.kind == "specrun"] if settings.lockstep else []
+        done = dict(zip((spec.name for spec, _ in together),
+                        run_lockstep(lm, [t for _, t in together], prompt_ids, params, settings.lengths)
+                        if together else ()))
+        for spec, target in order:
+            toks, seconds, at, stats = done.get(spec.name) or once(spec, target, params, settings.lengths)
             out.append(Measurement(spec.name, r, toks, seconds, at, stats))
             log(f"repeat {r + 1}/{settings.repeat} {spec.name}: {len(toks)} tokens, {len(toks) / seconds:.1f} tok/s")
     return out

@@ -40,6 +40,10 @@ def int_list(value: str | None, hint: str) -> tuple[int, ...]:
 @click.option("--lengths", help="Comma list of generated lengths to report ratios at, e.g. 2048,8192,16384.")
 @click.option("--warmup", type=int, default=16, show_default=True, help="Untimed warm-up tokens per configuration.")
 @click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run).")
+@click.option("--lockstep/--one-by-one", default=True, show_default=True,
+              help="Run a repeat's specrun configurations a step each in turn, each timed by its own steps, so a slow "
+              "spell of a shared host falls on all alike. It holds one KV cache per configuration at once: "
+              "--one-by-one (whole runs one after another) where memory is short. Not used with --concurrency.")
 @click.option("--concurrency", "levels", help="Comma list of sequences in flight, e.g. 1,4,8: aggregate tok/s of "
               "specrun_ar and specrun_spec on one batched worker at each level (N different prompts), instead of the "
               "default table.")
@@ -50,12 +54,13 @@ def int_list(value: str | None, hint: str) -> tuple[int, ...]:
 @sampling_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number instead of tables.")
-def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels, batch_attention, chat, model,
-          dtype, device, trust_remote_code, as_json, **kw):
+def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockstep, levels, batch_attention, chat,
+          model, dtype, device, trust_remote_code, as_json, **kw):
     """Benchmark specrun against HF generate on one prompt: tok/s, ratios, acceptance, time per phase.
 
     Runs hf_ar, hf_prompt_lookup, specrun_ar, specrun_spec (the --draft drafters) and the ablations ngram_only,
-    recycling_only, heads_partial and fused_spec (these two need --heads), each --repeat times, interleaved. Every run generates the same
+    recycling_only, heads_partial and fused_spec (these two need --heads), each --repeat times, interleaved (the
+    specrun runs of a repeat in lockstep, a step each in turn: see --lockstep). Every run generates the same
     number of tokens (EOS is ignored). All specrun runs must produce the tokens of specrun_ar, or differ only at a
     numerical near tie (reduced precision; the gap is reported): exit status 1 otherwise.
 
@@ -87,7 +92,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels
     heads_path = kw.get("heads_path")  # --heads (engine option): also enables the heads_partial ablation
     try:
         settings = BenchSettings(max_tokens=n, repeat=repeat, lengths=lens, warmup=warmup,
-                                 heads_path=str(heads_path) if heads_path else None)
+                                 heads_path=str(heads_path) if heads_path else None, lockstep=lockstep)
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
     runs = DEFAULT_RUNS
@@ -132,7 +137,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, levels
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     meta = {"model": lm.path, "fingerprint": lm.fingerprint, "device": str(lm.device), "dtype": dtype,
-            "prompt_tokens": len(prompt_ids), "tokens": n, "repeat": repeat,
+            "prompt_tokens": len(prompt_ids), "tokens": n, "repeat": repeat, "lockstep": lockstep,
             "mode": "greedy" if params.greedy else "sampled",
             "sampling": {k: getattr(params, k) for k in params.__dataclass_fields__},
             "engine": dataclasses.asdict(base)}

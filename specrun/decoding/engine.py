@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Generator
 
 import torch
 
@@ -146,6 +146,20 @@ class Engine:
         resume_from: list[int] = (),
         on_step: Callable[[list[int]], bool] | None = None,
     ) -> GenerationResult:
+        """Run steps() to the end; on_step(emitted) after each step, True stops the generation ("stopped")."""
+        steps, stop = self.steps(prompt_ids, params, resume_from), None
+        while True:
+            try:
+                emitted = steps.send(stop)  # send(None) starts it
+            except StopIteration as end:
+                return end.value
+            stop = on_step is not None and bool(on_step(emitted))  # outside the try: its own StopIteration propagates
+
+    def steps(self, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()
+              ) -> Generator[list[int], bool, GenerationResult]:
+        """The generation one step at a time: yields each step's emitted tokens (the prefill runs before the first);
+        send(True) stops it. Returns the GenerationResult. An engine runs one generation at a time (its KV cache and
+        stats are its own); separate engines' steps can be interleaved (specrun bench's lockstep)."""
         st = self._start(prompt_ids, params, list(resume_from))
         stats = self.stats = GenStats(tuple(d.name for d in self.drafters))
         done = st.finished()
@@ -189,7 +203,8 @@ class Engine:
             stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources,
                               len(st.out) - len(emitted), width=budget if self.drafters else 1)
             done = st.finished()
-            if on_step is not None and on_step(emitted) and not done:
+            stop = yield emitted
+            if stop and not done:
                 done = "stopped"
         if self.self_draft is not None:
             stats.kv_rebuilds = self.self_draft.kv.rebuilds

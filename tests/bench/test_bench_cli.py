@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import importlib.util
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -83,6 +85,51 @@ def test_proxy_model_script_smoke(tmp_path, capsys):
     # the heads it trained plug into the bench's heads ablation
     report = _bench(str(out), "--heads", str(out / "heads"), "--runs", "specrun_ar,heads_partial")
     assert [r["name"] for r in report["runs"]] == ["specrun_ar", "heads_partial"] and report["identical"] is True
+
+
+def test_lockstep_runs_match_runs_alone_and_time_only_their_own_steps(load_fixture):
+    from specrun.bench.runner import run_lockstep
+    from specrun.decoding.engine import Engine, EngineConfig
+    from specrun.decoding.sampling import SamplingParams
+
+    lm = load_fixture("llama_gqa")
+    prompt = lm.tokenizer.encode("abcabc abcabc")
+    params = SamplingParams(max_tokens=24, temperature=1.0, min_p=0.1, seed=1, ignore_eos=True)
+    configs = [EngineConfig(drafters=()), EngineConfig(), EngineConfig(drafters=("ngram",))]
+    t0 = time.perf_counter()
+    together = run_lockstep(lm, configs, prompt, params, lengths=(5, 24))
+    wall = time.perf_counter() - t0
+    alone = [Engine(lm, c).generate(prompt, params).token_ids for c in configs]
+    for (toks, seconds, at, stats), toks1 in zip(together, alone):
+        assert toks == toks1 and len(toks) == 24 and stats["new_tokens"] == 24
+        assert 0 < at[5] <= at[24] <= seconds == stats["seconds"]
+    assert sum(seconds for _, seconds, _, _ in together) <= wall  # each counts its own steps, none the others'
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_run_bench_steps_its_specrun_runs_together_only_in_lockstep(load_fixture, monkeypatch, lockstep):
+    from specrun.bench import runner
+    from specrun.decoding.engine import EngineConfig
+    from specrun.decoding.sampling import SamplingParams
+
+    lm = load_fixture("llama_gqa")
+    groups = []
+    real = runner.run_lockstep
+    monkeypatch.setattr(runner, "run_lockstep", lambda lm, configs, *a, **k: groups.append(len(configs)) or real(
+        lm, configs, *a, **k))
+    planned, _ = runner.plan(EngineConfig(), None, [r for r in runner.DEFAULT_RUNS
+                                                    if r.name in ("specrun_ar", "specrun_spec", "ngram_only")])
+    settings = runner.BenchSettings(max_tokens=8, repeat=2, warmup=0, lockstep=lockstep)
+    ms = runner.run_bench(lm, None, lm.tokenizer.encode("abc abc"), SamplingParams(), planned, settings)
+    assert groups == ([3, 3] if lockstep else [1] * 6)  # one-by-one: each run alone
+    assert len(ms) == 6 and all(len(m.token_ids) == 8 for m in ms)
+
+
+def test_bench_one_by_one_runs_the_same_table(tiny_models):
+    report = _bench(tiny_models["llama_gqa"], "--runs", "specrun_ar,specrun_spec", "--one-by-one")
+    assert report["lockstep"] is False and report["identical"] is True
+    assert [r["name"] for r in report["runs"]] == ["specrun_ar", "specrun_spec"]
+    assert _bench(tiny_models["llama_gqa"], "--runs", "specrun_ar,specrun_spec")["lockstep"] is True
 
 
 def _ar_and_a_real_divergence(load_fixture):

@@ -148,6 +148,33 @@ def test_resume_and_stop_are_invisible_in_the_output(tiny_models):
     assert done.token_ids == full and done.finish_reason == "length" and done.stats["steps"] == 0
 
 
+def test_steps_yield_each_step_and_two_generations_interleave(tiny_models):
+    """Engine.steps: the yielded steps are generate()'s tokens in order, send(True) stops like on_step, and two engines
+    stepped alternately (specrun bench's lockstep) produce what each produces alone."""
+    lm = load(tiny_models, "qwen2")
+    prompt = lm.tokenizer.encode(REPETITIVE)
+    params = SamplingParams(max_tokens=60, temperature=1.0, min_p=0.1, seed=2, ignore_eos=True)
+    config = {d: EngineConfig(drafters=d, adaptive_budget=False) for d in ((), ("ngram", "recycling"))}  # steps fixed
+    alone = {d: Engine(lm, c).generate(prompt, params) for d, c in config.items()}
+    gens = {d: Engine(lm, c).steps(prompt, params) for d, c in config.items()}
+    seen, results, live = {d: [] for d in gens}, {}, list(gens)
+    while live:
+        for d in list(live):
+            try:
+                seen[d].append(next(gens[d]) if not seen[d] else gens[d].send(False))
+            except StopIteration as end:
+                results[d] = end.value
+                live.remove(d)
+    for d, res in alone.items():
+        assert results[d].token_ids == res.token_ids == [t for step in seen[d] for t in step]
+        assert len(seen[d]) == results[d].stats["steps"] == res.stats["steps"]
+    gen = Engine(lm, EngineConfig()).steps(prompt, params)
+    first = next(gen)
+    with pytest.raises(StopIteration) as end:
+        gen.send(True)
+    assert end.value.value.finish_reason == "stopped" and end.value.value.token_ids == first
+
+
 def test_eos_stops_unless_ignored(tiny_models):
     lm = load(tiny_models, "llama_mha")
     prompt = lm.tokenizer.encode("abc")
