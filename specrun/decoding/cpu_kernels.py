@@ -1,4 +1,5 @@
-"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers and attention, compiled once.
+"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers and attention, and the argmax /
+top-k of float32 logits rows, compiled once.
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -79,6 +80,12 @@ class CpuKernels:
                                        + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
                                        + [ctypes.c_int])
         self.decode_layers.restype = None
+        self._argmax = lib.argmax_f32
+        self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        self._argmax.restype = None
+        self._topk = lib.topk_f32
+        self._topk.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        self._topk.restype = ctypes.c_int
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
@@ -144,6 +151,42 @@ class CpuKernels:
         self._attend[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
                      out.data_ptr(), T, Hq, Hkv, D, start, scale, scores.data_ptr(), torch.get_num_threads())
         return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x.argmax(dim=-1) exactly (first NaN, else first maximal value). # x: [T, V] float32 -> [T] long"""
+        x = x.contiguous()
+        assert x.dtype == torch.float32 and x.dim() == 2, (x.dtype, x.shape)
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def topk(self, x: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Indices of each row's k largest values, descending, equal values in index order; None if a row has fewer than
+        k that are not NaN. # x: [T, V] float32 -> [T, k] long"""
+        x = x.contiguous()
+        assert x.dtype == torch.float32 and x.dim() == 2 and 1 <= k <= min(TOPK_MAX, x.shape[1]), (x.shape, k)
+        out = torch.empty((x.shape[0], k), dtype=torch.long)
+        short = self._topk(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
+        return None if short else out
+
+
+TOPK_MAX = 64  # topk_f32 keeps a row's candidates in a fixed array of this size
+
+
+def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(x, k).indices up to the order of equal values (ours: index order), by our kernel for CPU float32 rows
+    where the kernels load. For drafting (the recycling matrix), never for a sampled token. # x: [T, V] -> [T, k]"""
+    ours = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 <= k <= min(TOPK_MAX, x.shape[1])
+    kernels = cpu_kernels() if ours else None
+    out = None if kernels is None else kernels.topk(x, k)
+    return torch.topk(x, k, dim=-1).indices if out is None else out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), by our kernel for CPU float32 rows where the kernels load (the same indices; torch's CPU argmax
+    took 78 us a 49,152-wide row here, 2.6 ms for 64). # x: [T, V] -> [T] long"""
+    kernels = cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    return x.argmax(dim=-1) if kernels is None or x.shape[1] == 0 else kernels.argmax(x)
 
 
 @functools.cache

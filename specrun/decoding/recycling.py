@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from specrun.decoding.cpu_kernels import topk_rows
+
 # Token Recycling's static imbalanced tree (the paper's "80 nodes" exclude the root; its reference template has
 # exactly these 80 paths): paths of child ranks from the root, per depth 8, 21, 25, 15, 8, 3.
 STATIC_TREE: tuple[tuple[int, ...], ...] = (
@@ -122,7 +124,7 @@ class RecyclingMatrix:
         """Every verified node's top-k next tokens become its token's row (Token Recycling); later rows win.
 
         # tokens: [T] long, logits: [T, V]"""
-        self.update(tokens, torch.topk(logits, self.k, dim=-1).indices)
+        self.update(tokens, topk_rows(logits, self.k))
 
     def learn_step(self, tokens: torch.Tensor, logits: torch.Tensor, plain: bool) -> None:
         """learn() a verify step's nodes; a plain AR step (roots only, while drafts are not paying: a top-k over the

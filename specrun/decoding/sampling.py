@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from specrun.decoding.cpu_kernels import argmax_rows
 from specrun.decoding.stops import check_stop_token_ids, check_stops
 
 _M32 = 0xFFFFFFFF
@@ -188,8 +189,8 @@ def choose(processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     # processed: [T, V], noise: [T, V] float64 or None -> [T] long
     """
     if noise is None:
-        return processed.argmax(dim=-1)
-    return (processed + noise.to(processed.dtype)).argmax(dim=-1)
+        return argmax_rows(processed)
+    return argmax_rows(processed + noise.to(processed.dtype))
 
 
 def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:

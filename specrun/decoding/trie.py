@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specrun.decoding.cpu_kernels import argmax_rows
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -135,7 +137,7 @@ def likeliest(processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor)
 
     # processed: [T, V], choice: [T] long, path: [A] long -> [A] bools
     """
-    return (processed[path].argmax(dim=-1) == choice[path]).tolist()
+    return (argmax_rows(processed[path]) == choice[path]).tolist()
 
 
 def record_sampled(stats, trie: Trie, processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor, emitted: int,

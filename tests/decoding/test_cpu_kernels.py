@@ -186,3 +186,55 @@ def test_attention_row_is_the_same_alone_or_beside_another(dtype):
         assert torch.equal(kernels.attend(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125), both)
     finally:
         torch.set_num_threads(threads)
+
+
+def _rows(kind: str, T: int, V: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(T, V, generator=g)
+    if kind == "ties":
+        x = torch.randint(-3, 3, (T, V), generator=g).float()
+    elif kind == "nan":
+        x[:, 1::3] = float("nan")
+    elif kind == "all_neg_inf":
+        x.fill_(float("-inf"))
+    elif kind == "signed_zeros":
+        x = torch.where(torch.rand(T, V, generator=g) < 0.5, -0.0, 0.0)
+    elif kind == "two_infs":
+        x[:, V // 2] = float("inf")
+        x[:, -1] = float("inf")
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "all_neg_inf", "signed_zeros", "two_infs"])
+@pytest.mark.parametrize("T,V", [(1, 1), (2, 5), (3, 16), (1, 17), (7, 49157), (64, 4096)])
+def test_argmax_is_torchs_argmax_ties_nans_and_infinities_included(kind, T, V):
+    x = _rows(kind, T, V, torch.Generator().manual_seed(T * V))
+    assert torch.equal(ck.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(ck.argmax_rows(x[:, : V // 2 + 1].t().contiguous().t()), x[:, : V // 2 + 1].argmax(dim=-1))
+
+
+def test_argmax_rows_leaves_other_dtypes_to_torch(monkeypatch):
+    x = torch.randn(3, 50, dtype=torch.float64)
+    monkeypatch.setattr(ck, "cpu_kernels", lambda: pytest.fail("float64 must not reach the kernels"))
+    assert torch.equal(ck.argmax_rows(x), x.argmax(dim=-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,V,k", [(1, 8, 8), (3, 17, 1), (2, 100, 8), (64, 4096, 8), (2, 49157, 8), (1, 300, 64)])
+def test_topk_is_torchs_topk_on_distinct_values(T, V, k):
+    x = torch.randn(T, V, generator=torch.Generator().manual_seed(V))
+    assert torch.equal(ck.topk_rows(x, k), torch.topk(x, k, dim=-1).indices)
+
+
+@needs_kernels
+def test_topk_takes_equal_values_in_index_order_and_leaves_nan_rows_to_torch():
+    x = torch.randint(-3, 3, (6, 1000), generator=torch.Generator().manual_seed(1)).float()
+    ours = ck.topk_rows(x, 8)
+    assert torch.equal(x.gather(1, ours), torch.topk(x, 8).values)
+    for row, ids in zip(x, ours.tolist()):  # descending, equal values in index order, the lowest indices of the last
+        assert ids == sorted(ids, key=lambda i: (-row[i].item(), i))
+        last = [i for i in ids if row[i] == row[ids[-1]]]
+        assert last == (row == row[ids[-1]]).nonzero().flatten().tolist()[: len(last)]
+    x = torch.randn(2, 50)
+    x[0, :45] = float("nan")  # 5 values that are not NaN, fewer than k: torch's answer (NaN counts as largest)
+    assert torch.equal(ck.topk_rows(x, 8), torch.topk(x, 8).indices)
