@@ -1,6 +1,6 @@
 /* bf16 and float32 linear layers and attention for the decode step on x86 CPUs with AVX-512 BF16 (cpu_kernels.py
- * compiles and loads this file), bf16 decoder layers in one call, and the argmax / top-k of logits rows. float32 accumulation (bf16: vdpbf16ps, results
- * rounded to bf16 once). Every output is computed alone and in one order: a row's result does not depend on which rows
+ * compiles and loads this file), bf16 decoder layers in one call, and the argmax / top-k of logits rows. float32
+ * accumulation (bf16: vdpbf16ps, results rounded to bf16 once). Every output is computed alone and in one order: a row's result does not depend on which rows
  * run beside it, nor on the thread count.
  */
 #include <immintrin.h>

@@ -174,8 +174,9 @@ TOPK_MAX = 64  # topk_f32 keeps a row's candidates in a fixed array of this size
 
 
 def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.topk(x, k).indices up to the order of equal values (ours: index order), by our kernel for CPU float32 rows
-    where the kernels load. For drafting (the recycling matrix), never for a sampled token. # x: [T, V] -> [T, k]"""
+    """torch.topk(x, k).indices up to the order of equal values (ours: index order) and NaNs (ours skips them, torch ranks
+    them largest; a row with fewer than k other values goes to torch), by our kernel for CPU float32 rows where the
+    kernels load. For drafting (the recycling matrix), never for a sampled token. # x: [T, V] -> [T, k]"""
     ours = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 <= k <= min(TOPK_MAX, x.shape[1])
     kernels = cpu_kernels() if ours else None
     out = None if kernels is None else kernels.topk(x, k)
@@ -199,5 +200,5 @@ def cpu_kernels() -> CpuKernels | None:
     except (RuntimeError, OSError) as e:
         import warnings
 
-        warnings.warn(f"specrun's CPU kernels are off ({e}); bf16 linears use oneDNN", stacklevel=2)
+        warnings.warn(f"specrun's CPU kernels are off ({e}); bf16 linears use oneDNN, the rest torch", stacklevel=2)
         return None

@@ -194,6 +194,8 @@ def _rows(kind: str, T: int, V: int, g: torch.Generator) -> torch.Tensor:
         x = torch.randint(-3, 3, (T, V), generator=g).float()
     elif kind == "nan":
         x[:, 1::3] = float("nan")
+    elif kind == "nan_last":  # only in the tail past the last 16-wide block (or the last lane of a full one)
+        x[:, -1] = float("nan")
     elif kind == "all_neg_inf":
         x.fill_(float("-inf"))
     elif kind == "signed_zeros":
@@ -205,7 +207,7 @@ def _rows(kind: str, T: int, V: int, g: torch.Generator) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["random", "ties", "nan", "all_neg_inf", "signed_zeros", "two_infs"])
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "nan_last", "all_neg_inf", "signed_zeros", "two_infs"])
 @pytest.mark.parametrize("T,V", [(1, 1), (2, 5), (3, 16), (1, 17), (7, 49157), (64, 4096)])
 def test_argmax_is_torchs_argmax_ties_nans_and_infinities_included(kind, T, V):
     x = _rows(kind, T, V, torch.Generator().manual_seed(T * V))
@@ -238,3 +240,7 @@ def test_topk_takes_equal_values_in_index_order_and_leaves_nan_rows_to_torch():
     x = torch.randn(2, 50)
     x[0, :45] = float("nan")  # 5 values that are not NaN, fewer than k: torch's answer (NaN counts as largest)
     assert torch.equal(ck.topk_rows(x, 8), torch.topk(x, 8).indices)
+    x = torch.randn(3, 1003, generator=torch.Generator().manual_seed(2))
+    x[:, ::7] = float("nan")  # enough other values: NaNs are skipped
+    x[1, -1] = float("nan")
+    assert torch.equal(ck.topk_rows(x, 8), torch.topk(x.nan_to_num(nan=float("-inf")), 8).indices)
