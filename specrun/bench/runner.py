@@ -214,20 +214,19 @@ class _Stepped:
         self.device = lm.device
         self.steps = Engine(lm, config).steps(prompt_ids, params)  # construction is not timed
         self.clock = _LengthClock(tuple(lengths))
-        self.seconds, self.result, self.started = 0.0, None, False
+        self.seconds, self.result = 0.0, None
 
     def advance(self) -> bool:
         """One step (the first also prefills); False once the run has ended."""
         _sync(self.device)
         t = time.perf_counter()
         try:
-            emitted = self.steps.send(False) if self.started else next(self.steps)
+            emitted = next(self.steps)  # = send(None): go on
         except StopIteration as end:
             self.result = end.value
             emitted = []
         _sync(self.device)
         self.seconds += time.perf_counter() - t
-        self.started = True
         self.clock.add(len(emitted), self.seconds)
         return self.result is None
 
@@ -283,9 +282,10 @@ def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned,
         k = r % len(planned)
         order = planned[k:] + planned[:k]
         together = [(spec, t) for spec, t in order if spec.kind == "specrun"] if settings.lockstep else []
-        done = dict(zip((spec.name for spec, _ in together),
-                        run_lockstep(lm, [t for _, t in together], prompt_ids, params, settings.lengths)
-                        if together else ()))
+        done = {}
+        if together:
+            outcomes = run_lockstep(lm, [t for _, t in together], prompt_ids, params, settings.lengths)
+            done = {spec.name: o for (spec, _), o in zip(together, outcomes)}
         for spec, target in order:
             toks, seconds, at, stats = done.get(spec.name) or once(spec, target, params, settings.lengths)
             out.append(Measurement(spec.name, r, toks, seconds, at, stats))

@@ -1,7 +1,7 @@
 /* bf16 and float32 linear layers and attention for the decode step on x86 CPUs with AVX-512 BF16 (cpu_kernels.py
  * compiles and loads this file), bf16 decoder layers in one call, and the argmax / top-k of logits rows. float32
- * accumulation (bf16: vdpbf16ps, results rounded to bf16 once). Every output is computed alone and in one order: a row's result does not depend on which rows
- * run beside it, nor on the thread count.
+ * accumulation (bf16: vdpbf16ps, results rounded to bf16 once). Every output is computed alone and in one order: a
+ * row's result does not depend on which rows run beside it, nor on the thread count.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -372,33 +372,29 @@ void decode_layers(const layer_t *layers, int L, uint16_t *x, long T, long H, lo
 
 /* out[t] = torch's argmax of row t of x [T, V] float32: the first NaN if the row has one, else the first maximal value
  * (-0.0 equals 0.0). torch's CPU argmax read one 49,152-wide row at ~2.5 GB/s (78 us; 2.6 ms for 64 rows), on every
- * greedy step and in the sampled likeliest statistic; two vector passes here, the second stopping at the first hit. */
+ * greedy step and in the sampled likeliest statistic; two vector passes here, the second stopping at the first hit
+ * (the last block's dead lanes masked, as in topk_f32). */
 void argmax_f32(const float *x, long T, long V, int64_t *out, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (long t = 0; t < T; t++) {
         const float *r = x + t * V;
         __m512 m = _mm512_set1_ps(-INFINITY);
         __mmask16 nan = 0;
-        long i = 0;
-        for (; i + 16 <= V; i += 16) {
-            __m512 v = _mm512_loadu_ps(r + i);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        for (long i = 0; i < V; i += 16) {  /* dead lanes of the last block load -inf and count no NaN */
+            __mmask16 live = tail(V, i);
+            __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, r + i);
+            nan |= _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
             m = _mm512_max_ps(m, v);
         }
-        float best = _mm512_reduce_max_ps(m);
-        for (long j = i; j < V; j++) {
-            if (r[j] != r[j]) nan = 1;
-            else if (r[j] > best) best = r[j];
-        }
+        __m512 b = _mm512_set1_ps(_mm512_reduce_max_ps(m));  /* NaN-free when nan is 0 (then it is not read) */
         long idx = V;
-        __m512 b = _mm512_set1_ps(best);
-        for (i = 0; i + 16 <= V && idx == V; i += 16) {
-            __m512 v = _mm512_loadu_ps(r + i);
-            __mmask16 k = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+        for (long i = 0; i < V && idx == V; i += 16) {
+            __mmask16 live = tail(V, i);
+            __m512 v = _mm512_maskz_loadu_ps(live, r + i);
+            __mmask16 k = nan ? _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q)
+                              : _mm512_mask_cmp_ps_mask(live, v, b, _CMP_EQ_OQ);
             if (k) idx = i + __builtin_ctz((unsigned)k);
         }
-        for (long j = i; j < V && idx == V; j++)
-            if (nan ? r[j] != r[j] : r[j] == best) idx = j;
         out[t] = idx == V ? 0 : idx;
     }
 }

@@ -173,12 +173,17 @@ class CpuKernels:
 TOPK_MAX = 64  # topk_f32 keeps a row's candidates in a fixed array of this size
 
 
+def _row_kernels(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels for rows x, if they take them: CPU float32 [T, V] with V >= 1, where the kernels load."""
+    ours = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= 1
+    return cpu_kernels() if ours else None
+
+
 def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     """torch.topk(x, k).indices up to the order of equal values (ours: index order) and NaNs (ours skips them, torch ranks
     them largest; a row with fewer than k other values goes to torch), by our kernel for CPU float32 rows where the
     kernels load. For drafting (the recycling matrix), never for a sampled token. # x: [T, V] -> [T, k]"""
-    ours = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 <= k <= min(TOPK_MAX, x.shape[1])
-    kernels = cpu_kernels() if ours else None
+    kernels = _row_kernels(x) if 1 <= k <= min(TOPK_MAX, x.shape[-1]) else None
     out = None if kernels is None else kernels.topk(x, k)
     return torch.topk(x, k, dim=-1).indices if out is None else out
 
@@ -186,8 +191,8 @@ def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), by our kernel for CPU float32 rows where the kernels load (the same indices; torch's CPU argmax
     took 78 us a 49,152-wide row here, 2.6 ms for 64). # x: [T, V] -> [T] long"""
-    kernels = cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
-    return x.argmax(dim=-1) if kernels is None or x.shape[1] == 0 else kernels.argmax(x)
+    kernels = _row_kernels(x)
+    return x.argmax(dim=-1) if kernels is None else kernels.argmax(x)
 
 
 @functools.cache

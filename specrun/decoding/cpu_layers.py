@@ -57,7 +57,8 @@ class CpuLayers:
         for L in dec.layers:  # one scale and eps for all (passed once), SiLU, plain norms, packed weights
             if L.q_norm is not None or type(L.act).__name__ not in ("SiLUActivation", "SiLU") \
                     or not (_plain_rms_norm(L.ln1) and _plain_rms_norm(L.ln2)) \
-                    or any(lin._own is None or lin._own.dtype != torch.bfloat16 for lin in (L.qkv, L.o, L.gate_up, L.down)) \
+                    or any(lin._own is None or lin._own.dtype != torch.bfloat16
+                           for lin in (L.qkv, L.o, L.gate_up, L.down)) \
                     or L.scaling != first.scaling \
                     or not L.ln1.variance_epsilon == L.ln2.variance_epsilon == first.ln1.variance_epsilon:
                 return None
