@@ -433,3 +433,94 @@ int topk_f32(const float *x, long T, long V, int k, int64_t *idx, int threads) {
     }
     return short_rows;
 }
+
+/* ---- sampled tokens (sampling.py's process_logits then sample, for penalty + temperature + min-p) ----
+ * The noise hash of sampling.py (_mix32, _key_bits, _bits, _gumbel_of_bits) in the same integer steps: values may pass
+ * 2^32 between mixes, as Python's integers do, and each mix reduces them as its _mul32 does. */
+#define M32 0xFFFFFFFFull
+static inline uint64_t mix32(uint64_t x) {
+    x ^= x >> 16;
+    x = (x * 0x7FEB352Dull) & M32;
+    x ^= x >> 15;
+    x = (x * 0x846CA68Bull) & M32;
+    return x ^ (x >> 16);
+}
+
+static inline double gumbel_at(uint64_t key, uint64_t v) {
+    uint64_t h = mix32(mix32(key ^ mix32(v + 0x9E3779B9ull)) + 0x632BE5ABull), h2 = mix32(h ^ 0x5BD1E995ull);
+    double u = ((double)(h >> 5) * 67108864.0 + (double)(h2 >> 6) + 0.5) / 9007199254740992.0;
+    return -log(-log(u));
+}
+
+/* x's penalty (theta > 0: x / theta if x > 0 else x * theta) and temperature (inv_temp: 0 = none, else divide) */
+static inline __m512 penalize16(__m512 x, __mmask16 present, float theta) {
+    __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512 pen = _mm512_mask_div_ps(_mm512_mul_ps(x, _mm512_set1_ps(theta)), pos, x, _mm512_set1_ps(theta));
+    return _mm512_mask_blend_ps(present, x, pen);
+}
+
+/* out[t] = process_logits(logits[t]) for penalty theta (0: off) on the tokens present (counts[v] > 0, NULL: none,
+ * overridden per row by the patches (row, col, present)), temperature temp (1: none) and min-p (dropped: scores below
+ * the row's max + log_min_p, as -inf); choice[t] = sample(): the kept token with the largest score + float32 noise of
+ * (positions[t], token) under the seed's halves, the first among equals, 0 if none is kept. Every float op is the one
+ * torch does there (float32, in the same order; the noise in float64 with libm's log). Returns 1 if a row has a NaN
+ * (the caller falls back to torch), else 0. */
+int sample_minp_f32(const float *logits, long T, long V, const int32_t *counts, const int64_t *patch_rows,
+                    const int64_t *patch_cols, const uint8_t *patch_vals, long n_patches, float theta, float temp,
+                    float log_min_p, uint64_t s_lo, uint64_t s_hi, const int64_t *positions, float *out,
+                    int64_t *choice, int threads) {
+    int bad = 0;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) reduction(|:bad)")
+    for (long t = 0; t < T; t++) {
+        const float *l = logits + t * V;
+        float *s = out + t * V;
+        for (long i = 0; i < V; i += 16) {
+            __mmask16 live = tail(V, i);
+            __m512 x = _mm512_maskz_loadu_ps(live, l + i);
+            if (theta > 0.0f && counts != NULL) {
+                __m512i c = _mm512_maskz_loadu_epi32(live, counts + i);
+                x = penalize16(x, _mm512_cmpgt_epi32_mask(c, _mm512_setzero_si512()), theta);
+            }
+            if (temp != 1.0f) x = _mm512_div_ps(x, _mm512_set1_ps(temp));
+            _mm512_mask_storeu_ps(s + i, live, x);
+        }
+        for (long p = 0; theta > 0.0f && p < n_patches; p++) {
+            if (patch_rows[p] != t) continue;
+            long v = patch_cols[p];
+            __m512 x = penalize16(_mm512_set1_ps(l[v]), patch_vals[p] ? 0xffff : 0, theta);
+            if (temp != 1.0f) x = _mm512_div_ps(x, _mm512_set1_ps(temp));
+            s[v] = _mm512_cvtss_f32(x);
+        }
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (long i = 0; i < V; i += 16) {
+            __mmask16 live = tail(V, i);
+            __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + i);
+            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, x);
+        }
+        if (nan) {
+            bad = 1;
+            continue;
+        }
+        float thr = _mm512_reduce_max_ps(m) + log_min_p;
+        uint64_t key = mix32(mix32((uint64_t)positions[t] ^ s_lo) ^ s_hi);
+        float best = -INFINITY;
+        long pick = -1;
+        for (long i = 0; i < V; i += 16) {
+            __mmask16 live = tail(V, i);
+            __m512 x = _mm512_maskz_loadu_ps(live, s + i);
+            __mmask16 cut = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(thr), _CMP_LT_OQ);
+            _mm512_mask_storeu_ps(s + i, cut, _mm512_set1_ps(-INFINITY));
+            __mmask16 kept = live & ~cut & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+            while (kept) {
+                long j = i + __builtin_ctz((unsigned)kept);
+                kept &= kept - 1;
+                float z = s[j] + (float)gumbel_at(key, (uint64_t)j);
+                if (pick < 0 || z > best) { best = z; pick = j; }
+            }
+        }
+        choice[t] = pick < 0 ? 0 : pick;
+    }
+    return bad;
+}

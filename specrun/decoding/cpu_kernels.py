@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from specrun.models.cache import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
 
@@ -86,6 +87,11 @@ class CpuKernels:
         self._topk = lib.topk_f32
         self._topk.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         self._topk.restype = ctypes.c_int
+        self._sample = lib.sample_minp_f32
+        self._sample.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 4
+                                 + [ctypes.c_long] + [ctypes.c_float] * 3 + [ctypes.c_uint64] * 2
+                                 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+        self._sample.restype = ctypes.c_int
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
@@ -168,6 +174,37 @@ class CpuKernels:
         out = torch.empty((x.shape[0], k), dtype=torch.long)
         short = self._topk(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
         return None if short else out
+
+    def sample_minp(self, logits: torch.Tensor, counts: torch.Tensor | None, patches: Patches | None, theta: float,
+                    temperature: float, min_p: float, seed: int, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """sampling.py's process_logits then sample for penalty theta (1: off) on the tokens counted present (counts
+        > 0, overridden per row by patches), temperature and min-p, in one pass a row; None if a row has a NaN.
+
+        # logits: [T, V] float32, counts: [V] int32 or None, positions: [T] long -> choice [T] long, processed [T, V]
+        """
+        logits, positions = logits.contiguous(), positions.contiguous()
+        T, V = logits.shape
+        assert logits.dtype == torch.float32 and positions.dtype == torch.long and positions.shape == (T,)
+        assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
+        rows, cols, vals = patches if patches is not None else (None, None, None)
+        if rows is not None:
+            rows, cols, vals = rows.contiguous(), cols.contiguous(), vals.to(torch.uint8).contiguous()
+            assert rows.dtype == cols.dtype == torch.long and rows.shape == cols.shape == vals.shape
+        out = torch.empty_like(logits)
+        choice = torch.empty(T, dtype=torch.long)
+        bad = self._sample(logits.data_ptr(), T, V, _ptr(counts), _ptr(rows), _ptr(cols), _ptr(vals),
+                           0 if rows is None else rows.numel(), 0.0 if theta == 1.0 else theta, temperature,
+                           math.log(min_p), seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, positions.data_ptr(),
+                           out.data_ptr(), choice.data_ptr(), torch.get_num_threads())
+        return None if bad else (choice, out)
+
+
+Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, present) per-row overrides of presence
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 TOPK_MAX = 64  # topk_f32 keeps a row's candidates in a fixed array of this size

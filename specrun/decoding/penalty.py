@@ -32,12 +32,23 @@ class PenaltyWindow:
     def presence(self, seq: torch.Tensor, n: int, trie: Trie) -> torch.Tensor:
         """Window presence per trie node: committed seq[:n] (ending at the root) plus the node's path.
 
-        # seq: [Lmax] long, trie with T nodes of depth <= Dm -> [T, V] bool
+        # seq: [Lmax] long, trie with T nodes -> [T, V] bool
+        """
+        present = (self.counts > 0).unsqueeze(0).expand(trie.size, -1).clone()
+        rows, cols, vals = self.patches(seq, n, trie)
+        present[rows, cols] = vals
+        return present
+
+    def patches(self, seq: torch.Tensor, n: int, trie: Trie) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where a node's presence differs from the committed window's (counts > 0) or may: its path tokens and the
+        oldest committed tokens its path pushes out of the window, with whether each is present for that node.
+
+        # seq: [Lmax] long, trie with T nodes of depth <= Dm -> rows [P] long, cols [P] long, present [P] bool
         """
         T, Dm = trie.path_tokens.shape
-        present = (self.counts > 0).unsqueeze(0).expand(T, -1).clone()
         if Dm == 0:
-            return present
+            empty = seq.new_empty(0)
+            return empty, empty, empty.bool()
         W, dev = self.window, seq.device
         head_start = max(0, n - W)
         # tokens that leave the window when a node adds `depth` path tokens: the oldest ones of the committed window
@@ -60,5 +71,4 @@ class PenaltyWindow:
         too_old = (path >= 0) & (path_pos < (trie.depths[:, None] - W))
         count -= (torch.where(too_old, path, -1)[:, None, :] == cand[:, :, None]).sum(-1) * valid
         rows = torch.arange(T, device=dev)[:, None].expand_as(cand)
-        present[rows[valid], safe[valid]] = count[valid] > 0
-        return present
+        return rows[valid], safe[valid], count[valid] > 0

@@ -1,0 +1,120 @@
+"""Sampled tokens in our CPU kernel (sample_in_kernel): the tokens and processed scores of the torch path
+(process_logits, then sample) bit for bit, and a speculative generation that takes it equals AR and the torch path."""
+
+import random
+
+import pytest
+import torch
+
+import specrun.decoding.sampling as sampling
+from specrun.decoding.cpu_kernels import cpu_kernels
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.penalty import PenaltyWindow
+from specrun.decoding.sampling import SamplingParams, kernel_sampling, process_logits, sample, sample_in_kernel
+from specrun.decoding.sequence import Sequence
+from specrun.decoding.trie import Draft, build_trie
+
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
+LONG_TEXT = dict(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=64)
+
+
+def torch_path(logits, present, p, positions):
+    processed = process_logits(logits, present, p)
+    return sample(processed, p.seed, positions), processed
+
+
+def window_and_trie(rng, V, window, n_paths):
+    """A penalty window over a random committed text and a random trie on its last token -> (window, seq, n, trie)"""
+    n = rng.randrange(1, 3 * window)
+    seq = torch.zeros(n + 16, dtype=torch.long)
+    seq[:n] = torch.tensor([rng.randrange(V) for _ in range(n)])
+    win = PenaltyWindow(V, window, torch.device("cpu"))
+    win.reset(seq, n)
+    root, drafts = int(seq[n - 1]), []
+    for _ in range(n_paths):  # tokens of the window too, so paths re-add and push out present ones
+        toks = [int(seq[rng.randrange(n)]) if rng.random() < 0.5 else rng.randrange(V) for _ in range(rng.randrange(1, 6))]
+        drafts.append(Draft([root, *toks], list(range(-1, len(toks))), 0))
+    return win, seq, n, build_trie(root, drafts, 64, torch.device("cpu"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [49152, 1001, 16, 5])
+@pytest.mark.parametrize("kw", [LONG_TEXT, dict(temperature=0.7, min_p=0.05, penalty=0.8, penalty_window=9),
+                                dict(temperature=1.3, min_p=0.3), dict(temperature=2.0, min_p=0.02, penalty=1.5,
+                                                                       penalty_window=3)])
+def test_kernel_picks_and_processes_exactly_what_the_torch_path_does(V, kw):
+    rng, g = random.Random(V), torch.Generator().manual_seed(V)
+    for trial in range(6):
+        p = SamplingParams(seed=rng.randrange(2**63), **kw)  # seeds above 2^32 use both halves
+        win, seq, n, trie = window_and_trie(rng, V, max(p.penalty_window, 1), 1 + trial)
+        logits = torch.randn(trie.size, V, generator=g) * rng.choice([0.05, 1.0, 4.0])  # flat rows keep most tokens
+        positions = trie.depths + n + rng.randrange(2**31 - 64)
+        present = win.presence(seq, n, trie)
+        ref_choice, ref_processed = torch_path(logits, present if p.uses_penalty else None, p, positions)
+        choice, processed = sample_in_kernel(logits, win.counts, win.patches(seq, n, trie), p, positions)
+        assert torch.equal(choice, ref_choice) and torch.equal(processed, ref_processed), (trial, p)
+
+
+@needs_kernels
+def test_kernel_matches_torch_on_infinite_scores_and_falls_back_on_nan():
+    p = SamplingParams(seed=3, **LONG_TEXT)
+    logits = torch.randn(4, 300)
+    logits[0, :] = float("-inf")  # nothing kept: token 0, as the torch path gives
+    logits[1, 7] = float("inf")  # only the infinite one is kept
+    logits[2, ::2] = float("-inf")
+    logits[3, 5] = logits[3, 9] = logits[3].max() + 3  # a tie on top
+    positions = torch.tensor([4, 5, 6, 7])
+    counts = (torch.rand(300) < 0.1).to(torch.int32)
+    present = (counts > 0)[None].expand(4, -1)
+    ref_choice, ref_processed = torch_path(logits, present, p, positions)
+    choice, processed = sample_in_kernel(logits, counts, None, p, positions)
+    assert torch.equal(choice, ref_choice) and torch.equal(processed, ref_processed)
+    assert choice[0] == 0 and choice[1] == 7
+    logits[2, 1] = float("nan")
+    assert sample_in_kernel(logits, counts, None, p, positions) is None
+
+
+def test_kernel_takes_only_the_settings_it_computes():
+    rows = torch.zeros(1, 8)
+    if cpu_kernels() is not None:
+        assert kernel_sampling(SamplingParams(**LONG_TEXT), rows)
+    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, min_p=0.1, top_k=5),
+               dict(temperature=1.0, min_p=0.1, top_p=0.9), dict(temperature=1.0, min_p=0.1, eta=0.01)):
+        assert not kernel_sampling(SamplingParams(**kw), rows), kw
+    assert not kernel_sampling(SamplingParams(**LONG_TEXT), rows.double())
+
+
+@needs_kernels
+def test_sequence_falls_back_to_torch_on_a_nan_row():
+    p = SamplingParams(max_tokens=8, **LONG_TEXT)
+    st = Sequence([1, 2, 3], p, [], vocab_size=50, eos_ids=(), tokenizer=None, max_context=64, spare=4,
+                  device=torch.device("cpu"))
+    trie = build_trie(3, [], 1, torch.device("cpu"))
+    logits = torch.randn(1, 50)
+    logits[0, 9] = float("nan")
+    choice, processed = st.choose(trie, logits)
+    ref_choice, ref_processed = torch_path(logits, st.window.presence(st.seq, st.n, trie), p, trie.depths + st.n)
+    assert torch.equal(choice, ref_choice)
+    torch.testing.assert_close(processed, ref_processed, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+def test_speculative_generation_through_the_kernel_equals_ar_and_the_torch_path(load_fixture, monkeypatch):
+    lm = load_fixture("llama_gqa", dtype="float32")  # float32 logits: the kernel's
+    prompt = lm.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
+    p = SamplingParams(max_tokens=120, seed=7, ignore_eos=True, **{**LONG_TEXT, "penalty_window": 16})
+    calls = []
+    real = sampling.sample_in_kernel
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr("specrun.decoding.sequence.sample_in_kernel", counted)
+    spec_config = EngineConfig(drafters=("ngram", "recycling"), trie_budget=16, adaptive_budget=False)
+    spec = Engine(lm, spec_config).generate(prompt, p).token_ids
+    ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, p).token_ids
+    assert calls and max(calls) > 1  # tries of several nodes went through the kernel, and AR's single rows
+    monkeypatch.setattr("specrun.decoding.sequence.kernel_sampling", lambda *a: False)
+    torch_spec = Engine(lm, spec_config).generate(prompt, p).token_ids
+    assert spec == ar == torch_spec and len(spec) == 120
