@@ -446,81 +446,80 @@ static inline uint64_t mix32(uint64_t x) {
     return x ^ (x >> 16);
 }
 
+/* The float64 noise of (position key, token) as torch computes it but for the log: libm's here, torch's (vectorised)
+ * log differs from libm's in ~0.1% of float64 values; scanning all 2^32 noise inputs (h fixes h2) found none whose
+ * float32 noise, the value added to a float32 score, differs (torch 2.13's AVX512, AVX2 and default code paths). */
 static inline double gumbel_at(uint64_t key, uint64_t v) {
     uint64_t h = mix32(mix32(key ^ mix32(v + 0x9E3779B9ull)) + 0x632BE5ABull), h2 = mix32(h ^ 0x5BD1E995ull);
     double u = ((double)(h >> 5) * 67108864.0 + (double)(h2 >> 6) + 0.5) / 9007199254740992.0;
     return -log(-log(u));
 }
 
-/* x's penalty (theta > 0: x / theta if x > 0 else x * theta) and temperature (inv_temp: 0 = none, else divide) */
-static inline __m512 penalize16(__m512 x, __mmask16 present, float theta) {
+/* 16 logits processed: penalty theta where present (x / theta if x > 0 else x * theta), then temperature (1: none) */
+static inline __m512 process16(__m512 x, __mmask16 present, float theta, float temp) {
     __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
     __m512 pen = _mm512_mask_div_ps(_mm512_mul_ps(x, _mm512_set1_ps(theta)), pos, x, _mm512_set1_ps(theta));
-    return _mm512_mask_blend_ps(present, x, pen);
+    x = _mm512_mask_blend_ps(present, x, pen);
+    return temp != 1.0f ? _mm512_div_ps(x, _mm512_set1_ps(temp)) : x;
 }
 
-/* out[t] = process_logits(logits[t]) for penalty theta (0: off) on the tokens present (counts[v] > 0, NULL: none,
- * overridden per row by the patches (row, col, present)), temperature temp (1: none) and min-p (dropped: scores below
- * the row's max + log_min_p, as -inf); choice[t] = sample(): the kept token with the largest score + float32 noise of
- * (positions[t], token) under the seed's halves, the first among equals, 0 if none is kept. Every float op is the one
- * torch does there (float32, in the same order; the noise in float64 with libm's log). Returns 1 if a row has a NaN
- * (the caller falls back to torch), else 0. */
-int sample_minp_f32(const float *logits, long T, long V, const int32_t *counts, const int64_t *patch_rows,
-                    const int64_t *patch_cols, const uint8_t *patch_vals, long n_patches, float theta, float temp,
-                    float log_min_p, uint64_t s_lo, uint64_t s_hi, const int64_t *positions, float *out,
-                    int64_t *choice, int threads) {
+/* s = row l processed; present: counts[v] > 0 (counts NULL: no penalty) but where a patch (p with rows[p] == t) says
+ * otherwise */
+static inline void process_row(const float *l, float *s, long t, long V, const int32_t *counts, const int64_t *rows,
+                               const int64_t *cols, const uint8_t *vals, long n_patches, float theta, float temp) {
+    for (long i = 0; i < V; i += 16) {
+        __mmask16 live = tail(V, i), present = 0;
+        __m512 x = _mm512_maskz_loadu_ps(live, l + i);
+        if (counts != NULL)
+            present = _mm512_mask_cmpgt_epi32_mask(live, _mm512_maskz_loadu_epi32(live, counts + i), _mm512_setzero_si512());
+        _mm512_mask_storeu_ps(s + i, live, process16(x, present, theta, temp));
+    }
+    for (long p = 0; counts != NULL && p < n_patches; p++)
+        if (rows[p] == t) s[cols[p]] = _mm512_cvtss_f32(process16(_mm512_set1_ps(l[cols[p]]), vals[p] ? 1 : 0, theta, temp));
+}
+
+/* Cut s below its max + log_min_p to -inf; returns the kept token with the largest score + float32 noise, the first
+ * among equals (sample()'s scatter_reduce), 0 if none is kept, or -1 if s has a NaN (then s is left as it is) */
+static inline long sample_row(float *s, long V, float log_min_p, uint64_t key) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (long i = 0; i < V; i += 16) {
+        __m512 x = _mm512_mask_loadu_ps(m, tail(V, i), s + i);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, x);
+    }
+    if (nan) return -1;
+    float thr = _mm512_reduce_max_ps(m) + log_min_p, best = -INFINITY;
+    long pick = -1;
+    for (long i = 0; i < V; i += 16) {
+        __mmask16 live = tail(V, i);
+        __m512 x = _mm512_maskz_loadu_ps(live, s + i);
+        __mmask16 cut = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(thr), _CMP_LT_OQ);
+        _mm512_mask_storeu_ps(s + i, cut, _mm512_set1_ps(-INFINITY));
+        __mmask16 kept = live & ~cut & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+        for (; kept; kept &= kept - 1) {
+            long j = i + __builtin_ctz((unsigned)kept);
+            float z = s[j] + (float)gumbel_at(key, (uint64_t)j);
+            if (pick < 0 || z > best) { best = z; pick = j; }
+        }
+    }
+    return pick < 0 ? 0 : pick;
+}
+
+/* out[t] = process_logits(logits[t]) for penalty theta on the tokens present (counts[v] > 0; counts NULL: no penalty),
+ * overridden per row by the patches (rows[p], cols[p]) -> vals[p], with rows in [0, T) and cols in [0, V); temperature
+ * temp (1: none) and min-p (scores below the row's max + log_min_p dropped to -inf); choice[t] = sample(): the kept token
+ * with the largest score + noise of (positions[t], token) under the seed's 32-bit halves. Every float op is the one
+ * torch does there (float32, in the same order). Returns 1 if a row has a NaN (the caller falls back to torch), else 0. */
+int sample_minp_f32(const float *logits, long T, long V, const int32_t *counts, const int64_t *rows,
+                    const int64_t *cols, const uint8_t *vals, long n_patches, float theta, float temp, float log_min_p,
+                    uint64_t s_lo, uint64_t s_hi, const int64_t *positions, float *out, int64_t *choice, int threads) {
     int bad = 0;
     _Pragma("omp parallel for schedule(static) num_threads(threads) reduction(|:bad)")
     for (long t = 0; t < T; t++) {
-        const float *l = logits + t * V;
-        float *s = out + t * V;
-        for (long i = 0; i < V; i += 16) {
-            __mmask16 live = tail(V, i);
-            __m512 x = _mm512_maskz_loadu_ps(live, l + i);
-            if (theta > 0.0f && counts != NULL) {
-                __m512i c = _mm512_maskz_loadu_epi32(live, counts + i);
-                x = penalize16(x, _mm512_cmpgt_epi32_mask(c, _mm512_setzero_si512()), theta);
-            }
-            if (temp != 1.0f) x = _mm512_div_ps(x, _mm512_set1_ps(temp));
-            _mm512_mask_storeu_ps(s + i, live, x);
-        }
-        for (long p = 0; theta > 0.0f && p < n_patches; p++) {
-            if (patch_rows[p] != t) continue;
-            long v = patch_cols[p];
-            __m512 x = penalize16(_mm512_set1_ps(l[v]), patch_vals[p] ? 0xffff : 0, theta);
-            if (temp != 1.0f) x = _mm512_div_ps(x, _mm512_set1_ps(temp));
-            s[v] = _mm512_cvtss_f32(x);
-        }
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (long i = 0; i < V; i += 16) {
-            __mmask16 live = tail(V, i);
-            __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s + i);
-            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-            m = _mm512_max_ps(m, x);
-        }
-        if (nan) {
-            bad = 1;
-            continue;
-        }
-        float thr = _mm512_reduce_max_ps(m) + log_min_p;
-        uint64_t key = mix32(mix32((uint64_t)positions[t] ^ s_lo) ^ s_hi);
-        float best = -INFINITY;
-        long pick = -1;
-        for (long i = 0; i < V; i += 16) {
-            __mmask16 live = tail(V, i);
-            __m512 x = _mm512_maskz_loadu_ps(live, s + i);
-            __mmask16 cut = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(thr), _CMP_LT_OQ);
-            _mm512_mask_storeu_ps(s + i, cut, _mm512_set1_ps(-INFINITY));
-            __mmask16 kept = live & ~cut & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
-            while (kept) {
-                long j = i + __builtin_ctz((unsigned)kept);
-                kept &= kept - 1;
-                float z = s[j] + (float)gumbel_at(key, (uint64_t)j);
-                if (pick < 0 || z > best) { best = z; pick = j; }
-            }
-        }
-        choice[t] = pick < 0 ? 0 : pick;
+        process_row(logits + t * V, out + t * V, t, V, counts, rows, cols, vals, n_patches, theta, temp);
+        choice[t] = sample_row(out + t * V, V, log_min_p, mix32(mix32((uint64_t)positions[t] ^ s_lo) ^ s_hi));
+        bad |= choice[t] < 0;
     }
     return bad;
 }

@@ -178,8 +178,9 @@ class CpuKernels:
     def sample_minp(self, logits: torch.Tensor, counts: torch.Tensor | None, patches: Patches | None, theta: float,
                     temperature: float, min_p: float, seed: int, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """sampling.py's process_logits then sample for penalty theta (1: off) on the tokens counted present (counts
-        > 0, overridden per row by patches), temperature and min-p, in one pass a row; None if a row has a NaN.
+        """sampling.py's process_logits then sample for penalty theta on the tokens counted present (counts > 0,
+        overridden per row by patches; counts None: no penalty), temperature and min-p, in one pass a row; None if a
+        row has a NaN.
 
         # logits: [T, V] float32, counts: [V] int32 or None, positions: [T] long -> choice [T] long, processed [T, V]
         """
@@ -187,16 +188,18 @@ class CpuKernels:
         T, V = logits.shape
         assert logits.dtype == torch.float32 and positions.dtype == torch.long and positions.shape == (T,)
         assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
-        rows, cols, vals = patches if patches is not None else (None, None, None)
-        if rows is not None:
-            rows, cols, vals = rows.contiguous(), cols.contiguous(), vals.to(torch.uint8).contiguous()
+        rows = cols = vals = None
+        if counts is not None and patches is not None and patches[0].numel():
+            rows, cols, vals = (patches[0].contiguous(), patches[1].contiguous(),
+                                patches[2].to(torch.uint8).contiguous())
             assert rows.dtype == cols.dtype == torch.long and rows.shape == cols.shape == vals.shape
+            assert 0 <= int(rows.min()) and int(rows.max()) < T and 0 <= int(cols.min()) and int(cols.max()) < V
         out = torch.empty_like(logits)
         choice = torch.empty(T, dtype=torch.long)
         bad = self._sample(logits.data_ptr(), T, V, _ptr(counts), _ptr(rows), _ptr(cols), _ptr(vals),
-                           0 if rows is None else rows.numel(), 0.0 if theta == 1.0 else theta, temperature,
-                           math.log(min_p), seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, positions.data_ptr(),
-                           out.data_ptr(), choice.data_ptr(), torch.get_num_threads())
+                           0 if rows is None else rows.numel(), theta, temperature, math.log(min_p),
+                           seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, positions.data_ptr(), out.data_ptr(),
+                           choice.data_ptr(), torch.get_num_threads())
         return None if bad else (choice, out)
 
 

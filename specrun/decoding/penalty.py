@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from specrun.decoding.cpu_kernels import Patches
 from specrun.decoding.trie import Trie
 
 
@@ -39,7 +40,7 @@ class PenaltyWindow:
         present[rows, cols] = vals
         return present
 
-    def patches(self, seq: torch.Tensor, n: int, trie: Trie) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def patches(self, seq: torch.Tensor, n: int, trie: Trie) -> Patches:
         """Where a node's presence differs from the committed window's (counts > 0) or may: its path tokens and the
         oldest committed tokens its path pushes out of the window, with whether each is present for that node.
 

@@ -211,7 +211,6 @@ def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch
     return picked.masked_fill_(picked == V, 0)  # a row with nothing kept (NaN logits): token 0, as argmax gives
 
 
-
 def kernel_sampling(p: SamplingParams, logits: torch.Tensor) -> bool:
     """Whether sample_in_kernel takes these settings and logits: penalty, temperature and min-p (the long-text
     settings), not top-k, top-p or eta; CPU float32 rows; where our kernels load."""
@@ -229,5 +228,5 @@ def sample_in_kernel(logits: torch.Tensor, counts: torch.Tensor | None, patches:
     # logits: [T, V], counts: [V] int32 or None, positions: [T] long -> ([T] long, [T, V])
     """
     penalty = p.uses_penalty and counts is not None
-    return cpu_kernels().sample_minp(logits, counts if penalty else None, patches if penalty else None,
-                                     p.penalty if penalty else 1.0, p.temperature, p.min_p, p.seed, positions)
+    return cpu_kernels().sample_minp(logits, counts if penalty else None, patches, p.penalty, p.temperature, p.min_p,
+                                     p.seed, positions)

@@ -23,6 +23,12 @@ def torch_path(logits, present, p, positions):
     return sample(processed, p.seed, positions), processed
 
 
+def assert_same(got, ref):
+    """Tokens equal and processed scores equal bit for bit (-0.0 is not 0.0)"""
+    assert got is not None and torch.equal(got[0], ref[0])
+    assert torch.equal(got[1].view(torch.int32), ref[1].view(torch.int32))
+
+
 def window_and_trie(rng, V, window, n_paths):
     """A penalty window over a random committed text and a random trie on its last token -> (window, seq, n, trie)"""
     n = rng.randrange(1, 3 * window)
@@ -32,7 +38,8 @@ def window_and_trie(rng, V, window, n_paths):
     win.reset(seq, n)
     root, drafts = int(seq[n - 1]), []
     for _ in range(n_paths):  # tokens of the window too, so paths re-add and push out present ones
-        toks = [int(seq[rng.randrange(n)]) if rng.random() < 0.5 else rng.randrange(V) for _ in range(rng.randrange(1, 6))]
+        toks = [int(seq[rng.randrange(n)]) if rng.random() < 0.5 else rng.randrange(V)
+                for _ in range(rng.randrange(1, 6))]
         drafts.append(Draft([root, *toks], list(range(-1, len(toks))), 0))
     return win, seq, n, build_trie(root, drafts, 64, torch.device("cpu"))
 
@@ -48,11 +55,11 @@ def test_kernel_picks_and_processes_exactly_what_the_torch_path_does(V, kw):
         p = SamplingParams(seed=rng.randrange(2**63), **kw)  # seeds above 2^32 use both halves
         win, seq, n, trie = window_and_trie(rng, V, max(p.penalty_window, 1), 1 + trial)
         logits = torch.randn(trie.size, V, generator=g) * rng.choice([0.05, 1.0, 4.0])  # flat rows keep most tokens
+        logits[:, ::7] = logits[:, ::7].round()  # zeros of both signs, and ties
         positions = trie.depths + n + rng.randrange(2**31 - 64)
         present = win.presence(seq, n, trie)
-        ref_choice, ref_processed = torch_path(logits, present if p.uses_penalty else None, p, positions)
-        choice, processed = sample_in_kernel(logits, win.counts, win.patches(seq, n, trie), p, positions)
-        assert torch.equal(choice, ref_choice) and torch.equal(processed, ref_processed), (trial, p)
+        ref = torch_path(logits, present if p.uses_penalty else None, p, positions)
+        assert_same(sample_in_kernel(logits, win.counts, win.patches(seq, n, trie), p, positions), ref)
 
 
 @needs_kernels
@@ -62,16 +69,35 @@ def test_kernel_matches_torch_on_infinite_scores_and_falls_back_on_nan():
     logits[0, :] = float("-inf")  # nothing kept: token 0, as the torch path gives
     logits[1, 7] = float("inf")  # only the infinite one is kept
     logits[2, ::2] = float("-inf")
-    logits[3, 5] = logits[3, 9] = logits[3].max() + 3  # a tie on top
+    logits[3, 5] = logits[3, 9] = float("inf")  # two kept, scores + noise tied: the first
     positions = torch.tensor([4, 5, 6, 7])
     counts = (torch.rand(300) < 0.1).to(torch.int32)
+    counts[[5, 7, 9]] = 0
     present = (counts > 0)[None].expand(4, -1)
-    ref_choice, ref_processed = torch_path(logits, present, p, positions)
-    choice, processed = sample_in_kernel(logits, counts, None, p, positions)
-    assert torch.equal(choice, ref_choice) and torch.equal(processed, ref_processed)
-    assert choice[0] == 0 and choice[1] == 7
+    got = sample_in_kernel(logits, counts, None, p, positions)
+    assert_same(got, torch_path(logits, present, p, positions))
+    assert got[0].tolist()[:2] == [0, 7] and got[0][3] == 5
     logits[2, 1] = float("nan")
     assert sample_in_kernel(logits, counts, None, p, positions) is None
+
+
+@needs_kernels
+def test_kernel_divides_by_a_penalty_that_rounds_to_zero_as_torch_does():
+    p = SamplingParams(temperature=1.0, min_p=0.1, penalty=1e-50, seed=1)  # float32(penalty) == 0
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0, -0.0, 1.0, 2.5]])
+    counts = torch.tensor([1, 1, 0, 0, 1, 1, 0, 0], dtype=torch.int32)
+    positions = torch.tensor([9])
+    assert_same(sample_in_kernel(logits, counts, None, p, positions),
+                torch_path(logits, (counts > 0)[None], p, positions))
+
+
+@needs_kernels
+@pytest.mark.parametrize("row, col", [(0, 8), (0, -1), (1, 3)])
+def test_kernel_refuses_patches_outside_the_rows(row, col):
+    p = SamplingParams(seed=1, **LONG_TEXT)
+    patches = (torch.tensor([row]), torch.tensor([col]), torch.tensor([True]))
+    with pytest.raises(AssertionError):
+        sample_in_kernel(torch.zeros(1, 8), torch.zeros(8, dtype=torch.int32), patches, p, torch.tensor([3]))
 
 
 def test_kernel_takes_only_the_settings_it_computes():
@@ -85,7 +111,9 @@ def test_kernel_takes_only_the_settings_it_computes():
 
 
 @needs_kernels
-def test_sequence_falls_back_to_torch_on_a_nan_row():
+def test_sequence_falls_back_to_torch_on_a_nan_row(monkeypatch):
+    tried = []
+    monkeypatch.setattr("specrun.decoding.sequence.sample_in_kernel", lambda *a: tried.append(1) or sample_in_kernel(*a))
     p = SamplingParams(max_tokens=8, **LONG_TEXT)
     st = Sequence([1, 2, 3], p, [], vocab_size=50, eos_ids=(), tokenizer=None, max_context=64, spare=4,
                   device=torch.device("cpu"))
@@ -94,7 +122,7 @@ def test_sequence_falls_back_to_torch_on_a_nan_row():
     logits[0, 9] = float("nan")
     choice, processed = st.choose(trie, logits)
     ref_choice, ref_processed = torch_path(logits, st.window.presence(st.seq, st.n, trie), p, trie.depths + st.n)
-    assert torch.equal(choice, ref_choice)
+    assert tried and torch.equal(choice, ref_choice)
     torch.testing.assert_close(processed, ref_processed, rtol=0, atol=0, equal_nan=True)
 
 
