@@ -1,5 +1,6 @@
 /* bf16 and float32 linear layers and attention for the decode step on x86 CPUs with AVX-512 BF16 (cpu_kernels.py
- * compiles and loads this file), bf16 decoder layers in one call, and the argmax / top-k of logits rows. float32
+ * compiles and loads this file), bf16 and float32 decoder layers in one call, the argmax / top-k of logits rows, and
+ * sampled tokens (penalty, temperature, min-p, Gumbel-max). float32
  * accumulation (bf16: vdpbf16ps, results rounded to bf16 once). Every output is computed alone and in one order: a
  * row's result does not depend on which rows run beside it, nor on the thread count.
  */
@@ -262,113 +263,118 @@ ATTEND(attend_bf16, uint16_t, scores_bf16, weighted_values_bf16)
 ATTEND(attend_f32, float, scores_f32, weighted_values_f32)
 
 /* ---- whole decoder layers (Llama family: RMSNorm, fused QKV, rotate-half RoPE, GQA attention, SiLU-gated MLP) ----
- * Each elementwise step rounds to bf16 where the torch ops of decoder.py do (a float32 op, rounded once), so the
- * results are those of the torch path but for the order of the norm's sum of squares and the exp in SiLU. */
+ * Each elementwise step rounds where the torch ops of decoder.py do (bf16: a float32 op, rounded to bf16 once; float32:
+ * each op's float32 result), so the results are those of the torch path but for the order of the norm's sum of squares
+ * and the exp in SiLU. One body per storage type (LAYERS below); bf16 as uint16. */
+
+static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
 
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
 }
-
 static inline void store16(uint16_t *p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
-
-static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
-
 static inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }  /* to bf16 and back */
 
-/* out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)) (HF's RMSNorm); x, w, out bf16, rows of H */
-static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *out, long T, long H, float eps) {
-    for (long t = 0; t < T; t++) {
-        const uint16_t *xt = x + t * H;
-        __m512 ss = _mm512_setzero_ps();
-        for (long i = 0; i < H; i += 16) {
-            __m512 v = load16(xt + i, tail(H, i));
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
-        for (long i = 0; i < H; i += 16) {
-            __mmask16 m = tail(H, i);
-            __m512 n = round16(_mm512_mul_ps(load16(xt + i, m), r));
-            store16(out + t * H + i, m, _mm512_mul_ps(load16(w + i, m), n));
-        }
-    }
-}
-
-/* x[i] = bf16(x[i] + y[i]) over n values (the residual stream) */
-static void add_into(uint16_t *x, const uint16_t *y, long n) {
-    for (long i = 0; i < n; i += 16) {
-        __mmask16 m = tail(n, i);
-        store16(x + i, m, _mm512_add_ps(load16(x + i, m), load16(y + i, m)));
-    }
-}
-
-/* a[t] = bf16(bf16(silu(gate[t])) * up[t]) for gu[t] = [gate | up], each I wide */
-static void silu_mul(const uint16_t *gu, uint16_t *a, long T, long I) {
-    for (long t = 0; t < T; t++)
-        for (long i = 0; i < I; i += 16) {
-            __mmask16 m = tail(I, i);
-            __m512 g = load16(gu + t * 2 * I + i, m);
-            __m512 s = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-            store16(a + t * I + i, m, _mm512_mul_ps(s, load16(gu + t * 2 * I + I + i, m)));
-        }
-}
-
-/* x * cos + rotate_half(x) * sin for one head's D values (D % 32 == 0), each product and the sum rounded to bf16 (as
- * torch): out[i] = x[i] cos[i] - x[i + D/2] sin[i] and out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] */
-static void rope_head(const uint16_t *x, const uint16_t *cs, const uint16_t *sn, uint16_t *out, long D) {
-    long half = D / 2;
-    for (long i = 0; i < half; i += 16) {
-        __m512 lo = load16(x + i, 0xffff), hi = load16(x + half + i, 0xffff);
-        __m512 a = round16(_mm512_mul_ps(lo, load16(cs + i, 0xffff)));
-        __m512 b = round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(sn + i, 0xffff)));
-        store16(out + i, 0xffff, _mm512_add_ps(a, b));
-        a = round16(_mm512_mul_ps(hi, load16(cs + half + i, 0xffff)));
-        b = round16(_mm512_mul_ps(lo, load16(sn + half + i, 0xffff)));
-        store16(out + half + i, 0xffff, _mm512_add_ps(a, b));
-    }
-}
+static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void store16_f32(float *p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline __m512 round16_f32(__m512 v) { return v; }  /* float32 ops round to float32 by themselves */
 
 typedef struct {
-    const uint16_t *ln1, *ln2;             /* [H] bf16 norm weights */
-    const uint16_t *qkv, *o, *gate_up, *down;  /* packed as for gemv_bf16: [q; k; v], o, [gate; up], down */
+    const void *ln1, *ln2;                 /* [H] norm weights, in the layers' type */
+    const void *qkv, *o, *gate_up, *down;  /* packed as for the type's gemv: [q; k; v], o, [gate; up], down */
     const float *b_qkv, *b_o, *b_gate_up, *b_down;  /* float32 biases or NULL */
-    uint16_t *k, *v;                       /* this layer's cache [Hkv, cap, D] */
+    void *k, *v;                           /* this layer's cache [Hkv, cap, D] */
 } layer_t;
 
-/* The decoder layers over T new tokens at slots [start, start + T) of the cache (the rows see every earlier slot and
- * the new slots under mask [T, T], NULL for T == 1); x [T, H] bf16, the residual stream, updated in place. cos, sin:
- * [T, D] bf16 (HF's rotary for the rows' positions). work: bf16 scratch of T * (2H + (Hq + 2Hkv)D + 2 Hq D + 3I);
- * scores: attend_bf16's scratch for start + T keys. */
-void decode_layers(const layer_t *layers, int L, uint16_t *x, long T, long H, long I, long Hq, long Hkv, long D,
-                   long cap, long start, const uint16_t *cos, const uint16_t *sin, const uint8_t *mask, float eps,
-                   float scale, uint16_t *work, float *scores, int threads) {
-    long nqkv = (Hq + 2 * Hkv) * D;
-    uint16_t *h = work, *qkv = h + T * H, *q = qkv + T * nqkv, *att = q + T * Hq * D, *tmp = att + T * Hq * D;
-    uint16_t *gu = tmp + T * H, *a = gu + T * 2 * I;
-    for (int l = 0; l < L; l++) {
-        const layer_t *ly = layers + l;
-        rms_norm(x, ly->ln1, h, T, H, eps);
-        gemv_bf16(h, ly->qkv, ly->b_qkv, qkv, T, nqkv, H, threads);
-        for (long t = 0; t < T; t++) {
-            const uint16_t *row = qkv + t * nqkv, *ct = cos + t * D, *st = sin + t * D;
-            for (long hq = 0; hq < Hq; hq++) rope_head(row + hq * D, ct, st, q + (t * Hq + hq) * D, D);
-            for (long hk = 0; hk < Hkv; hk++) {
-                long slot = (hk * cap + start + t) * D;
-                rope_head(row + (Hq + hk) * D, ct, st, ly->k + slot, D);
-                __builtin_memcpy(ly->v + slot, row + (Hq + Hkv + hk) * D, D * 2);
-            }
-        }
-        attend_bf16(q, ly->k, ly->v, cap, mask, att, T, Hq, Hkv, D, start, scale, scores, threads);
-        gemv_bf16(att, ly->o, ly->b_o, tmp, T, H, Hq * D, threads);
-        add_into(x, tmp, T * H);
-        rms_norm(x, ly->ln2, h, T, H, eps);
-        gemv_bf16(h, ly->gate_up, ly->b_gate_up, gu, T, 2 * I, H, threads);
-        silu_mul(gu, a, T, I);
-        gemv_bf16(a, ly->down, ly->b_down, tmp, T, H, I, threads);
-        add_into(x, tmp, T * H);
+/* SUFFIX's helpers and decode_layers_SUFFIX over TYPE storage (LOAD / STORE / ROUND: 16 values as float32, masked).
+ *
+ * rms_norm: out[t] = w * R(x[t] * rsqrt(mean(x[t]^2) + eps)) (HF's RMSNorm), rows of H.
+ * add_into: x[i] = R(x[i] + y[i]) (the residual stream).
+ * silu_mul: a[t] = R(R(silu(gate[t])) * up[t]) for gu[t] = [gate | up], each I wide.
+ * rope_head: x * cos + rotate_half(x) * sin for one head's D values (D % 32 == 0), each product and the sum rounded
+ *   (as torch): out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2].
+ * decode_layers: the layers over T new tokens at slots [start, start + T) of the cache (the rows see every earlier slot
+ *   and the new slots under mask [T, T], NULL for T == 1); x [T, H], the residual stream, updated in place. cos, sin:
+ *   [T, D] (HF's rotary for the rows' positions). work: scratch of T * (2H + (Hq + 2Hkv)D + 2 Hq D + 3I) values;
+ *   scores: the attention's scratch for start + T keys. */
+#define LAYERS(SUFFIX, TYPE, LOAD, STORE, ROUND, GEMV, ATTEND_FN)                                                  \
+    static void rms_norm_##SUFFIX(const TYPE *x, const TYPE *w, TYPE *out, long T, long H, float eps) {            \
+        for (long t = 0; t < T; t++) {                                                                             \
+            const TYPE *xt = x + t * H;                                                                            \
+            __m512 ss = _mm512_setzero_ps();                                                                       \
+            for (long i = 0; i < H; i += 16) {                                                                     \
+                __m512 v = LOAD(xt + i, tail(H, i));                                                               \
+                ss = _mm512_fmadd_ps(v, v, ss);                                                                    \
+            }                                                                                                      \
+            __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));                    \
+            for (long i = 0; i < H; i += 16) {                                                                     \
+                __mmask16 m = tail(H, i);                                                                          \
+                STORE(out + t * H + i, m, _mm512_mul_ps(LOAD(w + i, m), ROUND(_mm512_mul_ps(LOAD(xt + i, m), r)))); \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void add_into_##SUFFIX(TYPE *x, const TYPE *y, long n) {                                                \
+        for (long i = 0; i < n; i += 16) {                                                                         \
+            __mmask16 m = tail(n, i);                                                                              \
+            STORE(x + i, m, _mm512_add_ps(LOAD(x + i, m), LOAD(y + i, m)));                                        \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void silu_mul_##SUFFIX(const TYPE *gu, TYPE *a, long T, long I) {                                       \
+        for (long t = 0; t < T; t++)                                                                               \
+            for (long i = 0; i < I; i += 16) {                                                                     \
+                __mmask16 m = tail(I, i);                                                                          \
+                __m512 g = LOAD(gu + t * 2 * I + i, m);                                                            \
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));                                           \
+                __m512 s = ROUND(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));                        \
+                STORE(a + t * I + i, m, _mm512_mul_ps(s, LOAD(gu + t * 2 * I + I + i, m)));                        \
+            }                                                                                                      \
+    }                                                                                                              \
+    static void rope_head_##SUFFIX(const TYPE *x, const TYPE *cs, const TYPE *sn, TYPE *out, long D) {             \
+        long half = D / 2;                                                                                         \
+        for (long i = 0; i < half; i += 16) {                                                                      \
+            __m512 lo = LOAD(x + i, 0xffff), hi = LOAD(x + half + i, 0xffff);                                      \
+            __m512 a = ROUND(_mm512_mul_ps(lo, LOAD(cs + i, 0xffff)));                                             \
+            __m512 b = ROUND(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), LOAD(sn + i, 0xffff)));         \
+            STORE(out + i, 0xffff, _mm512_add_ps(a, b));                                                           \
+            a = ROUND(_mm512_mul_ps(hi, LOAD(cs + half + i, 0xffff)));                                             \
+            b = ROUND(_mm512_mul_ps(lo, LOAD(sn + half + i, 0xffff)));                                             \
+            STORE(out + half + i, 0xffff, _mm512_add_ps(a, b));                                                    \
+        }                                                                                                          \
+    }                                                                                                              \
+    void decode_layers_##SUFFIX(const layer_t *layers, int L, TYPE *x, long T, long H, long I, long Hq, long Hkv,  \
+                                long D, long cap, long start, const TYPE *cos, const TYPE *sin, const uint8_t *mask,\
+                                float eps, float scale, TYPE *work, float *scores, int threads) {                  \
+        long nqkv = (Hq + 2 * Hkv) * D;                                                                            \
+        TYPE *h = work, *qkv = h + T * H, *q = qkv + T * nqkv, *att = q + T * Hq * D, *tmp = att + T * Hq * D;     \
+        TYPE *gu = tmp + T * H, *a = gu + T * 2 * I;                                                               \
+        for (int l = 0; l < L; l++) {                                                                              \
+            const layer_t *ly = layers + l;                                                                        \
+            TYPE *kc = (TYPE *)ly->k, *vc = (TYPE *)ly->v;                                                         \
+            rms_norm_##SUFFIX(x, (const TYPE *)ly->ln1, h, T, H, eps);                                             \
+            GEMV(h, (const TYPE *)ly->qkv, ly->b_qkv, qkv, T, nqkv, H, threads);                                   \
+            for (long t = 0; t < T; t++) {                                                                         \
+                const TYPE *row = qkv + t * nqkv, *ct = cos + t * D, *st = sin + t * D;                            \
+                for (long hq = 0; hq < Hq; hq++) rope_head_##SUFFIX(row + hq * D, ct, st, q + (t * Hq + hq) * D, D);\
+                for (long hk = 0; hk < Hkv; hk++) {                                                                \
+                    long slot = (hk * cap + start + t) * D;                                                        \
+                    rope_head_##SUFFIX(row + (Hq + hk) * D, ct, st, kc + slot, D);                                 \
+                    __builtin_memcpy(vc + slot, row + (Hq + Hkv + hk) * D, D * sizeof(TYPE));                      \
+                }                                                                                                  \
+            }                                                                                                      \
+            ATTEND_FN(q, kc, vc, cap, mask, att, T, Hq, Hkv, D, start, scale, scores, threads);                    \
+            GEMV(att, (const TYPE *)ly->o, ly->b_o, tmp, T, H, Hq * D, threads);                                   \
+            add_into_##SUFFIX(x, tmp, T * H);                                                                      \
+            rms_norm_##SUFFIX(x, (const TYPE *)ly->ln2, h, T, H, eps);                                             \
+            GEMV(h, (const TYPE *)ly->gate_up, ly->b_gate_up, gu, T, 2 * I, H, threads);                           \
+            silu_mul_##SUFFIX(gu, a, T, I);                                                                        \
+            GEMV(a, (const TYPE *)ly->down, ly->b_down, tmp, T, H, I, threads);                                    \
+            add_into_##SUFFIX(x, tmp, T * H);                                                                      \
+        }                                                                                                          \
     }
-}
+LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_bf16)
+LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_f32)
 
 /* out[t] = torch's argmax of row t of x [T, V] float32: the first NaN if the row has one, else the first maximal value
  * (-0.0 equals 0.0). torch's CPU argmax read one 49,152-wide row at ~2.5 GB/s (78 us; 2.6 ms for 64 rows), on every

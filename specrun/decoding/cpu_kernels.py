@@ -1,5 +1,6 @@
-"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers and attention, and the argmax /
-top-k of float32 logits rows, compiled once.
+"""Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers, attention and whole decoder
+layers, the argmax / top-k of float32 logits rows, and sampled tokens (penalty, temperature, min-p, Gumbel-max),
+compiled once.
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -16,10 +17,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specrun.models.cache import cache_root
+
+if TYPE_CHECKING:
+    from specrun.decoding.penalty import Patches
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
@@ -76,11 +81,12 @@ class CpuKernels:
             f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
                           + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
             f.restype = None
-        self.decode_layers = lib.decode_layers  # called by cpu_layers.CpuLayers, which owns its arguments
-        self.decode_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 8
-                                       + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2
-                                       + [ctypes.c_int])
-        self.decode_layers.restype = None
+        # called by cpu_layers.CpuLayers, which owns their arguments
+        self.decode_layers = {torch.bfloat16: lib.decode_layers_bf16, torch.float32: lib.decode_layers_f32}
+        for f in self.decode_layers.values():
+            f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 8
+                          + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            f.restype = None
         self._argmax = lib.argmax_f32
         self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
         self._argmax.restype = None
@@ -203,9 +209,6 @@ class CpuKernels:
         return None if bad else (choice, out)
 
 
-Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, present) per-row overrides of presence
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -213,7 +216,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 TOPK_MAX = 64  # topk_f32 keeps a row's candidates in a fixed array of this size
 
 
-def _row_kernels(x: torch.Tensor) -> CpuKernels | None:
+def row_kernels(x: torch.Tensor) -> CpuKernels | None:
     """The kernels for rows x, if they take them: CPU float32 [T, V] with V >= 1, where the kernels load."""
     ours = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= 1
     return cpu_kernels() if ours else None
@@ -223,7 +226,7 @@ def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     """torch.topk(x, k).indices up to the order of equal values (ours: index order) and NaNs (ours skips them, torch ranks
     them largest; a row with fewer than k other values goes to torch), by our kernel for CPU float32 rows where the
     kernels load. For drafting (the recycling matrix), never for a sampled token. # x: [T, V] -> [T, k]"""
-    kernels = _row_kernels(x) if 1 <= k <= min(TOPK_MAX, x.shape[-1]) else None
+    kernels = row_kernels(x) if 1 <= k <= min(TOPK_MAX, x.shape[-1]) else None
     out = None if kernels is None else kernels.topk(x, k)
     return torch.topk(x, k, dim=-1).indices if out is None else out
 
@@ -231,7 +234,7 @@ def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), by our kernel for CPU float32 rows where the kernels load (the same indices; torch's CPU argmax
     took 78 us a 49,152-wide row here, 2.6 ms for 64). # x: [T, V] -> [T] long"""
-    kernels = _row_kernels(x)
+    kernels = row_kernels(x)
     return x.argmax(dim=-1) if kernels is None else kernels.argmax(x)
 
 

@@ -1,8 +1,9 @@
-"""All decoder layers of a CPU bf16 forward in one call to cpu_kernels.c (decode_layers): norms, products, rotary,
-cache writes, attention, activation and residuals, no torch op in between; each step rounds where decoder.py's ops do.
+"""All decoder layers of a CPU bf16 or float32 forward in one call to cpu_kernels.c (decode_layers_bf16 / _f32):
+norms, products, rotary, cache writes, attention, activation and residuals, no torch op in between; each step rounds
+where decoder.py's ops do.
 
 CpuLayers.of(decoder, kernels) -> None where the layers are not the plain Llama shape it computes (qk-norm, another
-activation or norm, weights not packed in bf16); decoder.py keeps its torch path then.
+activation or norm, weights not packed in the activations' dtype); decoder.py keeps its torch path then.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _plain_rms_norm(norm) -> bool:
+def _plain_rms_norm(norm, dtype: torch.dtype) -> bool:
     """HF's Llama-style RMSNorm (weight * normalized, the weight as is): llama, mistral, qwen2 and qwen3 norms."""
     return type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") \
-        and getattr(norm, "weight", None) is not None and norm.weight.dtype == torch.bfloat16
+        and getattr(norm, "weight", None) is not None and norm.weight.dtype == dtype
 
 
 class CpuLayers:
     def __init__(self, dec, kernels: CpuKernels):
         self.kernels = kernels
+        self.dtype = dec.embed.weight.dtype
         L0 = dec.layers[0]
         self.H, self.I = L0.ln1.weight.shape[0], dec.inter
         self.Hq, self.Hkv, self.D = dec.n_q, dec.n_kv, dec.head_dim
@@ -51,13 +53,14 @@ class CpuLayers:
     @classmethod
     def of(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
-        if kernels is None or not dec.layers or dec.embed.weight.dtype != torch.bfloat16:  # HF's rotary follows x's
+        dtype = dec.embed.weight.dtype  # the activations' (HF's rotary follows x's)
+        if kernels is None or not dec.layers or dtype not in kernels.decode_layers:
             return None
         first = dec.layers[0]
         for L in dec.layers:  # one scale and eps for all (passed once), SiLU, plain norms, packed weights
             if L.q_norm is not None or type(L.act).__name__ not in ("SiLUActivation", "SiLU") \
-                    or not (_plain_rms_norm(L.ln1) and _plain_rms_norm(L.ln2)) \
-                    or any(lin._own is None or lin._own.dtype != torch.bfloat16
+                    or not (_plain_rms_norm(L.ln1, dtype) and _plain_rms_norm(L.ln2, dtype)) \
+                    or any(lin._own is None or lin._own.dtype != dtype
                            for lin in (L.qkv, L.o, L.gate_up, L.down)) \
                     or L.scaling != first.scaling \
                     or not L.ln1.variance_epsilon == L.ln2.variance_epsilon == first.ln1.variance_epsilon:
@@ -80,22 +83,24 @@ class CpuLayers:
                  new_mask: torch.Tensor | None) -> torch.Tensor:
         """Run every layer over T new tokens, writing their K/V at slots [start, start + T).
 
-        # x: [T, H] bf16 (embedded), cos/sin: [T, D] bf16, new_mask: [T, T] bool (None for T == 1) -> x: [T, H] bf16
+        # x: [T, H] (embedded), cos/sin: [T, D], new_mask: [T, T] bool (None for T == 1) -> x: [T, H]; all but the mask
+        # in the layers' dtype (bf16 or float32)
         """
-        T = x.shape[0]
-        if x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16:
-            raise TypeError(f"decode_layers reads bf16 activations and rotary tables, got {x.dtype} / {cos.dtype}")
+        T, dt = x.shape[0], self.dtype
+        if x.dtype != dt or cos.dtype != dt or sin.dtype != dt:
+            raise TypeError(f"decode_layers reads {dt} activations and rotary tables, got {x.dtype} / {cos.dtype}")
         if start + T > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
-        assert cache.k.dtype == torch.bfloat16 and cache.k.is_contiguous() and cache.v.is_contiguous()
+        assert cache.k.dtype == dt and cache.k.is_contiguous() and cache.v.is_contiguous()
         self._point_at(cache)
         H, I, Hq, Hkv, D = self.H, self.I, self.Hq, self.Hkv, self.D
         x = x.clone(memory_format=torch.contiguous_format)  # updated in place
         cos, sin = cos.contiguous(), sin.contiguous()
         mask = None if new_mask is None else new_mask.contiguous()
-        work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=torch.bfloat16)
+        work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=dt)
         scores = CpuKernels.attend_scratch(T, Hq, Hkv, start)
-        self.kernels.decode_layers(ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D,
-                                   cache.capacity, start, cos.data_ptr(), sin.data_ptr(), _ptr(mask), self.eps,
-                                   self.scale, work.data_ptr(), scores.data_ptr(), torch.get_num_threads())
+        self.kernels.decode_layers[dt](ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv,
+                                       D, cache.capacity, start, cos.data_ptr(), sin.data_ptr(), _ptr(mask),
+                                       self.eps, self.scale, work.data_ptr(), scores.data_ptr(),
+                                       torch.get_num_threads())
         return x

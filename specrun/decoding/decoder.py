@@ -2,7 +2,7 @@
 
 Fused QKV and gate-up weights (one GEMV each instead of three and two: a memory-bound step reads the same bytes in
 fewer, larger calls), prepacked where that pays (linear.py), the HF model's own embedding, norm, rotary and activation
-modules; unsupported features refused. On CPU bf16 with our kernels the layers run in one call (cpu_layers.py).
+modules; unsupported features refused. On CPU bf16 and float32 with our kernels the layers run in one call (cpu_layers.py).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.inter = self.layers[0].gate_up.weight.shape[0] // 2
         self.lm_head = Linear.of(model.get_output_embeddings())  # [V, H]
-        self.cpu_layers = CpuLayers.of(self, cpu_kernels())  # CPU bf16: every layer in one kernel call
+        self.cpu_layers = CpuLayers.of(self, cpu_kernels())  # CPU bf16 or float32: every layer in one call
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

@@ -70,7 +70,7 @@ class Sequence:
             done = sample_in_kernel(logits, counts, patches, self.params, positions)
             if done is not None:
                 return done
-        present = self.window.presence(self.seq, self.n, trie) if self.window else None
+        present = self.window.presence(self.seq, self.n, trie) if self.window is not None else None
         processed = process_logits(logits, present, self.params)
         if self.params.greedy:
             return choose(processed, None), processed

@@ -139,7 +139,7 @@ def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture,
     stop = free[next(i for i in range(20, 80) if free[i] not in free[:20])]  # a token it first writes part way
     mixed = [
         ("greedy", tok.encode(REPETITIVE), SamplingParams(max_tokens=60, ignore_eos=True)),
-        ("sampled", tok.encode("once upon a time"), SamplingParams(max_tokens=45, temperature=0.9, seed=3,
+        ("sampled", tok.encode("once upon a time"), SamplingParams(max_tokens=45, temperature=0.9, seed=3, min_p=0.05,
                                                                    penalty=1.2, penalty_window=16, ignore_eos=True)),
         ("stop", tok.encode(REPETITIVE), SamplingParams(max_tokens=80, stop_token_ids=(stop,), ignore_eos=True)),
         ("short", tok.encode("abc"), SamplingParams(max_tokens=7, temperature=1.0, seed=9, top_k=20)),
