@@ -41,8 +41,9 @@ class ForwardContext:
 
     @property
     def whole_layers(self) -> bool:
-        """Whether cpu_layers may run this forward's layers in one call: our attention, every slot, no queries kept."""
-        return self.kernels is not None and self.select is None and self.queries is None
+        """Whether cpu_layers may run this forward's layers in one call: our attention over every slot (queries are
+        kept there too, so a verify that keeps them computes what an AR step does)."""
+        return self.kernels is not None and self.select is None
 
     def attend(self, layer: int, q, k, v, scaling):
         return attention(self, layer, q, k, v, scaling)

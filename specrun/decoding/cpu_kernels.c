@@ -264,8 +264,10 @@ ATTEND(attend_f32, float, scores_f32, weighted_values_f32)
 
 /* ---- whole decoder layers (Llama family: RMSNorm, fused QKV, rotate-half RoPE, GQA attention, SiLU-gated MLP) ----
  * Each elementwise step rounds where the torch ops of decoder.py do (bf16: a float32 op, rounded to bf16 once; float32:
- * each op's float32 result), so the results are those of the torch path but for the order of the norm's sum of squares
- * and the exp in SiLU. One body per storage type (LAYERS below); bf16 as uint16. */
+ * each op's float32 result), so the results are those of the torch path but for the norm's sum of squares (fused
+ * multiply-adds in another order) and the exp in SiLU: a last-bit difference that bf16's rounding mostly absorbs and
+ * float32 carries into later values (~3e-6 of a tiny model's largest hidden value). One body per storage type (LAYERS
+ * below); bf16 as uint16. */
 
 static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
 
@@ -298,7 +300,8 @@ typedef struct {
  * decode_layers: the layers over T new tokens at slots [start, start + T) of the cache (the rows see every earlier slot
  *   and the new slots under mask [T, T], NULL for T == 1); x [T, H], the residual stream, updated in place. cos, sin:
  *   [T, D] (HF's rotary for the rows' positions). work: scratch of T * (2H + (Hq + 2Hkv)D + 2 Hq D + 3I) values;
- *   scores: the attention's scratch for start + T keys. */
+ *   scores: the attention's scratch for start + T keys; queries: NULL, or [L, T, Hq, D] for each layer's rotated
+ *   queries (the self-drafter's KV importance reads them). */
 #define LAYERS(SUFFIX, TYPE, LOAD, STORE, ROUND, GEMV, ATTEND_FN)                                                  \
     static void rms_norm_##SUFFIX(const TYPE *x, const TYPE *w, TYPE *out, long T, long H, float eps) {            \
         for (long t = 0; t < T; t++) {                                                                             \
@@ -345,7 +348,7 @@ typedef struct {
     }                                                                                                              \
     void decode_layers_##SUFFIX(const layer_t *layers, int L, TYPE *x, long T, long H, long I, long Hq, long Hkv,  \
                                 long D, long cap, long start, const TYPE *cos, const TYPE *sin, const uint8_t *mask,\
-                                float eps, float scale, TYPE *work, float *scores, int threads) {                  \
+                                float eps, float scale, TYPE *work, float *scores, TYPE *queries, int threads) {   \
         long nqkv = (Hq + 2 * Hkv) * D;                                                                            \
         TYPE *h = work, *qkv = h + T * H, *q = qkv + T * nqkv, *att = q + T * Hq * D, *tmp = att + T * Hq * D;     \
         TYPE *gu = tmp + T * H, *a = gu + T * 2 * I;                                                               \
@@ -363,6 +366,7 @@ typedef struct {
                     __builtin_memcpy(vc + slot, row + (Hq + Hkv + hk) * D, D * sizeof(TYPE));                      \
                 }                                                                                                  \
             }                                                                                                      \
+            if (queries != NULL) __builtin_memcpy(queries + l * T * Hq * D, q, T * Hq * D * sizeof(TYPE));       \
             ATTEND_FN(q, kc, vc, cap, mask, att, T, Hq, Hkv, D, start, scale, scores, threads);                    \
             GEMV(att, (const TYPE *)ly->o, ly->b_o, tmp, T, H, Hq * D, threads);                                   \
             add_into_##SUFFIX(x, tmp, T * H);                                                                      \

@@ -80,8 +80,9 @@ class CpuLayers:
         self._cache_ptrs = key
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                 new_mask: torch.Tensor | None) -> torch.Tensor:
-        """Run every layer over T new tokens, writing their K/V at slots [start, start + T).
+                 new_mask: torch.Tensor | None, queries: list | None = None) -> torch.Tensor:
+        """Run every layer over T new tokens, writing their K/V at slots [start, start + T); with a queries list, each
+        layer's rotated q [Hq, T, D] is appended to it (as decoder.py's torch path does).
 
         # x: [T, H] (embedded), cos/sin: [T, D], new_mask: [T, T] bool (None for T == 1) -> x: [T, H]; all but the mask
         # in the layers' dtype (bf16 or float32)
@@ -98,9 +99,12 @@ class CpuLayers:
         cos, sin = cos.contiguous(), sin.contiguous()
         mask = None if new_mask is None else new_mask.contiguous()
         work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=dt)
+        kept = None if queries is None else torch.empty((len(self.ptrs), T, Hq, D), dtype=dt)
         scores = CpuKernels.attend_scratch(T, Hq, Hkv, start)
         self.kernels.decode_layers[dt](ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv,
                                        D, cache.capacity, start, cos.data_ptr(), sin.data_ptr(), _ptr(mask),
-                                       self.eps, self.scale, work.data_ptr(), scores.data_ptr(),
+                                       self.eps, self.scale, work.data_ptr(), scores.data_ptr(), _ptr(kept),
                                        torch.get_num_threads())
+        if queries is not None:
+            queries.extend(q.transpose(0, 1) for q in kept)
         return x

@@ -2,7 +2,8 @@
 
 Fused QKV and gate-up weights (one GEMV each instead of three and two: a memory-bound step reads the same bytes in
 fewer, larger calls), prepacked where that pays (linear.py), the HF model's own embedding, norm, rotary and activation
-modules; unsupported features refused. On CPU bf16 and float32 with our kernels the layers run in one call (cpu_layers.py).
+modules; unsupported features refused. On CPU bf16 and float32 with our kernels the layers run in one call
+(cpu_layers.py).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class FusedDecoder:
         T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
         if self.cpu_layers is not None and isinstance(ctx, ForwardContext) and ctx.whole_layers:
             new = None if T == 1 else ctx.mask[:, ctx.start : ctx.start + T]  # [T, T]
-            return self.norm(self.cpu_layers(x, cos[:, 0], sin[:, 0], ctx.cache, ctx.start, new))
+            return self.norm(self.cpu_layers(x, cos[:, 0], sin[:, 0], ctx.cache, ctx.start, new, ctx.queries))
         for i, L in enumerate(self.layers):
             qkv = L.qkv(L.ln1(x))  # [T, (nq + 2 nkv) D]
             qk = qkv[:, : (nq + nkv) * D].view(T, nq + nkv, D)

@@ -24,6 +24,7 @@ def _tiny(tmp_path, arch="llama", dtype="bfloat16"):
     for layer in lm.model.model.layers:  # random norm weights (HF starts them at 1: a swapped norm would go unseen)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight.data.copy_(1 + 0.3 * torch.randn(norm.weight.shape, generator=gen))
+            norm.variance_epsilon = 1e-2  # large enough that a wrong eps shows at the percent level
     return lm
 
 
@@ -45,7 +46,8 @@ _TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k, v
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_one_call_matches_the_torch_ops(tmp_path, arch, dtype):
-    """Same roundings as decoder.py's torch ops; only the norm's sum order and SiLU's exp may differ (an ulp)."""
+    """Same roundings as decoder.py's torch ops; only the norm's sum of squares and SiLU's exp may differ (a last bit,
+    which float32 carries into later values)."""
     lm = _tiny(tmp_path, arch, dtype)
     runner = ModelRunner(lm, max_rows=16)
     layers = runner.decoder.cpu_layers
@@ -133,3 +135,45 @@ def test_layers_follow_a_new_cache_at_a_reused_address(tmp_path):
     layers._point_at(b)
     assert [p.k for p in layers.ptrs] == [b.k[i].data_ptr() for i in range(3)]
     assert [p.v for p in layers.ptrs] == [b.v[i].data_ptr() for i in range(3)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kept_queries_change_nothing_and_drafting_with_heads_equals_ar(tmp_path, dtype):
+    """A verify that keeps its queries (the self-drafter's KV importance) runs the one call too: the same hidden states
+    as without them, the torch path's queries up to the layers' rounding, and heads drafting equal to AR."""
+    from specrun.decoding.heads import DraftHeads
+
+    lm = _tiny(tmp_path, dtype=dtype)
+    runner = ModelRunner(lm, max_rows=16)
+    prompt = torch.tensor([72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10])
+    tokens, positions = torch.tensor([65, 66, 67]), torch.tensor([13, 14, 15])
+    chain = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    outs = {}
+    for keep in (False, True):
+        runner.reset(64)
+        runner.prefill(prompt, 8)
+        outs[keep] = runner.forward(tokens, positions, chain, capture_queries=keep)
+    assert torch.equal(outs[True], outs[False])
+    ours = runner.queries
+    layers, runner.decoder.cpu_layers = runner.decoder.cpu_layers, None
+    try:
+        runner.reset(64)
+        runner.prefill(prompt, 8)
+        runner.forward(tokens, positions, chain, capture_queries=True)
+    finally:
+        runner.decoder.cpu_layers = layers
+    close = 0.02 if dtype == "bfloat16" else 1e-5
+    assert len(ours) == len(runner.queries) == 3
+    for a, b in zip(ours, runner.queries):
+        assert a.shape == b.shape == (4, 3, 32) and (a.float() - b.float()).abs().max() <= close * b.float().abs().max()
+    heads = DraftHeads(lm.model.config.hidden_size, 3).to(lm.dtype)
+    g = torch.Generator().manual_seed(0)
+    for lin in heads.linears:  # heads that disagree with l_0, so their drafts are partly rejected
+        lin.weight.data.copy_(0.5 * torch.randn(lin.weight.shape, generator=g))
+    prompt_ids = list(b"abcabcabcabc the lighthouse keeper ")
+    params = SamplingParams(max_tokens=40, seed=3, ignore_eos=True)
+    ar = Engine(lm, EngineConfig(drafters=())).generate(prompt_ids, params).token_ids
+    drafted = Engine(lm, EngineConfig(drafters=("heads",), kv_mode="dynamic", kv_budget=24, trie_budget=12,
+                                      adaptive_budget=False), heads=heads).generate(prompt_ids, params)
+    assert drafted.token_ids == ar and drafted.stats["tokens_by_drafter"].get("heads", 0) > 0
