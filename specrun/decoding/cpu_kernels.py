@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from specrun.decoding.penalty import Patches
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
+         "-fPIC")
 LIBS = ("-lm",)
 
 
@@ -202,14 +203,15 @@ class CpuKernels:
             assert 0 <= int(rows.min()) and int(rows.max()) < T and 0 <= int(cols.min()) and int(cols.max()) < V
         out = torch.empty_like(logits)
         choice = torch.empty(T, dtype=torch.long)
-        bad = self._sample(logits.data_ptr(), T, V, _ptr(counts), _ptr(rows), _ptr(cols), _ptr(vals),
+        bad = self._sample(logits.data_ptr(), T, V, ptr(counts), ptr(rows), ptr(cols), ptr(vals),
                            0 if rows is None else rows.numel(), theta, temperature, math.log(min_p),
                            seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, positions.data_ptr(), out.data_ptr(),
                            choice.data_ptr(), torch.get_num_threads())
         return None if bad else (choice, out)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr(t: torch.Tensor | None) -> int | None:
+    """t's data pointer for a kernel argument, None (NULL) for None"""
     return None if t is None else t.data_ptr()
 
 

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from specrun.decoding.cpu_kernels import CpuKernels
+from specrun.decoding.cpu_kernels import CpuKernels, ptr
 from specrun.decoding.kv_cache import KVCache
 
 _P = ctypes.c_void_p
@@ -21,10 +21,6 @@ _P = ctypes.c_void_p
 class _LayerPtrs(ctypes.Structure):  # cpu_kernels.c layer_t
     _fields_ = [(name, _P) for name in ("ln1", "ln2", "qkv", "o", "gate_up", "down", "b_qkv", "b_o", "b_gate_up",
                                         "b_down", "k", "v")]
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _plain_rms_norm(norm, dtype: torch.dtype) -> bool:
@@ -47,7 +43,7 @@ class CpuLayers:
             for name in ("qkv", "o", "gate_up", "down"):
                 lin = getattr(L, name)
                 setattr(p, name, lin._own.data_ptr())
-                setattr(p, "b_" + name, _ptr(lin._bias32))
+                setattr(p, "b_" + name, ptr(lin._bias32))
         self._cache_ptrs: tuple[int, int, int] | None = None
 
     @classmethod
@@ -102,8 +98,8 @@ class CpuLayers:
         kept = None if queries is None else torch.empty((len(self.ptrs), T, Hq, D), dtype=dt)
         scores = CpuKernels.attend_scratch(T, Hq, Hkv, start)
         self.kernels.decode_layers[dt](ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv,
-                                       D, cache.capacity, start, cos.data_ptr(), sin.data_ptr(), _ptr(mask),
-                                       self.eps, self.scale, work.data_ptr(), scores.data_ptr(), _ptr(kept),
+                                       D, cache.capacity, start, cos.data_ptr(), sin.data_ptr(), ptr(mask),
+                                       self.eps, self.scale, work.data_ptr(), scores.data_ptr(), ptr(kept),
                                        torch.get_num_threads())
         if queries is not None:
             queries.extend(q.transpose(0, 1) for q in kept)
