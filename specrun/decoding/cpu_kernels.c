@@ -287,8 +287,16 @@ typedef struct {
     const void *ln1, *ln2;                 /* [H] norm weights, in the layers' type */
     const void *qkv, *o, *gate_up, *down;  /* packed as for the type's gemv: [q; k; v], o, [gate; up], down */
     const float *b_qkv, *b_o, *b_gate_up, *b_down;  /* float32 biases or NULL */
-    void *k, *v;                           /* this layer's cache [Hkv, cap, D] */
 } layer_t;
+
+/* One sequence of a forward: its new tokens are rows [r0, r0 + T) of x, at slots [start, start + T) of its cache, whose
+ * layer l holds keys at k + l * layer_stride and values at v + l * layer_stride (elements), [Hkv, cap, D] each (a solo
+ * KV cache, or the sequence's one page of a batched worker's pool); mask: [T, T] bytes, NULL for T == 1. */
+typedef struct {
+    long r0, T, start, cap, layer_stride;
+    void *k, *v;
+    const uint8_t *mask;
+} seq_t;
 
 /* SUFFIX's helpers and decode_layers_SUFFIX over TYPE storage (LOAD / STORE / ROUND: 16 values as float32, masked).
  *
@@ -297,11 +305,12 @@ typedef struct {
  * silu_mul: a[t] = R(R(silu(gate[t])) * up[t]) for gu[t] = [gate | up], each I wide.
  * rope_head: x * cos + rotate_half(x) * sin for one head's D values (D % 32 == 0), each product and the sum rounded
  *   (as torch): out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2].
- * decode_layers: the layers over T new tokens at slots [start, start + T) of the cache (the rows see every earlier slot
- *   and the new slots under mask [T, T], NULL for T == 1); x [T, H], the residual stream, updated in place. cos, sin:
+ * decode_layers: the layers over T new tokens of nseq sequences (each sequence's rows see every earlier slot of its
+ *   cache and its new slots under its mask; products and norms take all T rows at once, each row computed alone, so a
+ *   row's values do not depend on the sequences beside it); x [T, H], the residual stream, updated in place. cos, sin:
  *   [T, D] (HF's rotary for the rows' positions). work: scratch of T * (2H + (Hq + 2Hkv)D + 2 Hq D + 3I) values;
- *   scores: the attention's scratch for start + T keys; queries: NULL, or [L, T, Hq, D] for each layer's rotated
- *   queries (the self-drafter's KV importance reads them). */
+ *   scores: the attention's scratch for the longest sequence's start + T keys; queries: NULL, or [L, T, Hq, D] for each
+ *   layer's rotated queries (the self-drafter's KV importance reads them). */
 #define LAYERS(SUFFIX, TYPE, LOAD, STORE, ROUND, GEMV, ATTEND_FN)                                                  \
     static void rms_norm_##SUFFIX(const TYPE *x, const TYPE *w, TYPE *out, long T, long H, float eps) {            \
         for (long t = 0; t < T; t++) {                                                                             \
@@ -347,27 +356,36 @@ typedef struct {
         }                                                                                                          \
     }                                                                                                              \
     void decode_layers_##SUFFIX(const layer_t *layers, int L, TYPE *x, long T, long H, long I, long Hq, long Hkv,  \
-                                long D, long cap, long start, const TYPE *cos, const TYPE *sin, const uint8_t *mask,\
-                                float eps, float scale, TYPE *work, float *scores, TYPE *queries, int threads) {   \
+                                long D, const seq_t *seqs, long nseq, const TYPE *cos, const TYPE *sin, float eps, \
+                                float scale, TYPE *work, float *scores, TYPE *queries, int threads) {              \
         long nqkv = (Hq + 2 * Hkv) * D;                                                                            \
         TYPE *h = work, *qkv = h + T * H, *q = qkv + T * nqkv, *att = q + T * Hq * D, *tmp = att + T * Hq * D;     \
         TYPE *gu = tmp + T * H, *a = gu + T * 2 * I;                                                               \
         for (int l = 0; l < L; l++) {                                                                              \
             const layer_t *ly = layers + l;                                                                        \
-            TYPE *kc = (TYPE *)ly->k, *vc = (TYPE *)ly->v;                                                         \
             rms_norm_##SUFFIX(x, (const TYPE *)ly->ln1, h, T, H, eps);                                             \
             GEMV(h, (const TYPE *)ly->qkv, ly->b_qkv, qkv, T, nqkv, H, threads);                                   \
-            for (long t = 0; t < T; t++) {                                                                         \
-                const TYPE *row = qkv + t * nqkv, *ct = cos + t * D, *st = sin + t * D;                            \
-                for (long hq = 0; hq < Hq; hq++) rope_head_##SUFFIX(row + hq * D, ct, st, q + (t * Hq + hq) * D, D);\
-                for (long hk = 0; hk < Hkv; hk++) {                                                                \
-                    long slot = (hk * cap + start + t) * D;                                                        \
-                    rope_head_##SUFFIX(row + (Hq + hk) * D, ct, st, kc + slot, D);                                 \
-                    __builtin_memcpy(vc + slot, row + (Hq + Hkv + hk) * D, D * sizeof(TYPE));                      \
+            for (long s = 0; s < nseq; s++) {                                                                      \
+                const seq_t *sq = seqs + s;                                                                        \
+                TYPE *kc = (TYPE *)sq->k + l * sq->layer_stride, *vc = (TYPE *)sq->v + l * sq->layer_stride;       \
+                for (long t = sq->r0; t < sq->r0 + sq->T; t++) {                                                   \
+                    const TYPE *row = qkv + t * nqkv, *ct = cos + t * D, *st = sin + t * D;                        \
+                    for (long hq = 0; hq < Hq; hq++)                                                               \
+                        rope_head_##SUFFIX(row + hq * D, ct, st, q + (t * Hq + hq) * D, D);                        \
+                    for (long hk = 0; hk < Hkv; hk++) {                                                            \
+                        long slot = (hk * sq->cap + sq->start + t - sq->r0) * D;                                   \
+                        rope_head_##SUFFIX(row + (Hq + hk) * D, ct, st, kc + slot, D);                             \
+                        __builtin_memcpy(vc + slot, row + (Hq + Hkv + hk) * D, D * sizeof(TYPE));                  \
+                    }                                                                                              \
                 }                                                                                                  \
             }                                                                                                      \
             if (queries != NULL) __builtin_memcpy(queries + l * T * Hq * D, q, T * Hq * D * sizeof(TYPE));       \
-            ATTEND_FN(q, kc, vc, cap, mask, att, T, Hq, Hkv, D, start, scale, scores, threads);                    \
+            for (long s = 0; s < nseq; s++) {                                                                      \
+                const seq_t *sq = seqs + s;                                                                        \
+                ATTEND_FN(q + sq->r0 * Hq * D, (TYPE *)sq->k + l * sq->layer_stride,                               \
+                          (TYPE *)sq->v + l * sq->layer_stride, sq->cap, sq->mask, att + sq->r0 * Hq * D, sq->T, Hq, \
+                          Hkv, D, sq->start, scale, scores, threads);                                              \
+            }                                                                                                      \
             GEMV(att, (const TYPE *)ly->o, ly->b_o, tmp, T, H, Hq * D, threads);                                   \
             add_into_##SUFFIX(x, tmp, T * H);                                                                      \
             rms_norm_##SUFFIX(x, (const TYPE *)ly->ln2, h, T, H, eps);                                             \

@@ -85,8 +85,9 @@ class CpuKernels:
         # called by cpu_layers.CpuLayers, which owns their arguments
         self.decode_layers = {torch.bfloat16: lib.decode_layers_bf16, torch.float32: lib.decode_layers_f32}
         for f in self.decode_layers.values():
-            f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 8
-                          + [ctypes.c_void_p] * 3 + [ctypes.c_float] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+            f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 6
+                          + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
+                          + [ctypes.c_void_p] * 3 + [ctypes.c_int])
             f.restype = None
         self._argmax = lib.argmax_f32
         self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]

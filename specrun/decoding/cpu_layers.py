@@ -1,6 +1,7 @@
 """All decoder layers of a CPU bf16 or float32 forward in one call to cpu_kernels.c (decode_layers_bf16 / _f32):
 norms, products, rotary, cache writes, attention, activation and residuals, no torch op in between; each step rounds
-where decoder.py's ops do.
+where decoder.py's ops do. A batched worker's forward too (batch): its sequences' rows share the products, each row
+computed alone, and each sequence attends its own page, so every row gets its solo run's values.
 
 CpuLayers.of(decoder, kernels) -> None where the layers are not the plain Llama shape it computes (qk-norm, another
 activation or norm, weights not packed in the activations' dtype); decoder.py keeps its torch path then.
@@ -20,7 +21,21 @@ _P = ctypes.c_void_p
 
 class _LayerPtrs(ctypes.Structure):  # cpu_kernels.c layer_t
     _fields_ = [(name, _P) for name in ("ln1", "ln2", "qkv", "o", "gate_up", "down", "b_qkv", "b_o", "b_gate_up",
-                                        "b_down", "k", "v")]
+                                        "b_down")]
+
+
+class _Seq(ctypes.Structure):  # cpu_kernels.c seq_t
+    _fields_ = [(name, ctypes.c_long) for name in ("r0", "T", "start", "cap", "layer_stride")] + \
+               [("k", _P), ("v", _P), ("mask", _P)]
+
+
+def _seq(r0: int, T: int, start: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> _Seq:
+    """One sequence's rows and cache. # k, v: [Lyr, Hkv, cap, D] views (layers may be strided, each layer contiguous),
+    mask: [T, T] bool contiguous or None (T == 1)"""
+    if start + T > k.shape[2]:
+        raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {k.shape[2]}")
+    assert k.stride() == v.stride() and k[0].is_contiguous() and v[0].is_contiguous()
+    return _Seq(r0, T, start, k.shape[2], k.stride(0), k.data_ptr(), v.data_ptr(), ptr(mask))
 
 
 def _plain_rms_norm(norm, dtype: torch.dtype) -> bool:
@@ -44,8 +59,6 @@ class CpuLayers:
                 lin = getattr(L, name)
                 setattr(p, name, lin._own.data_ptr())
                 setattr(p, "b_" + name, ptr(lin._bias32))
-        self._cache_ptrs: tuple[int, int, int] | None = None
-
     @classmethod
     def of(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
@@ -65,16 +78,6 @@ class CpuLayers:
             return None
         return cls(dec, kernels)
 
-    def _point_at(self, cache: KVCache) -> None:
-        """Point each layer's struct at its slice of cache, again whenever the storage or its capacity changed (a new
-        cache can reuse a freed one's address with another capacity, which moves every layer but the first)."""
-        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
-        if key == self._cache_ptrs:
-            return
-        for i, p in enumerate(self.ptrs):
-            p.k, p.v = cache.k[i].data_ptr(), cache.v[i].data_ptr()
-        self._cache_ptrs = key
-
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
                  new_mask: torch.Tensor | None, queries: list | None = None) -> torch.Tensor:
         """Run every layer over T new tokens, writing their K/V at slots [start, start + T); with a queries list, each
@@ -83,24 +86,45 @@ class CpuLayers:
         # x: [T, H] (embedded), cos/sin: [T, D], new_mask: [T, T] bool (None for T == 1) -> x: [T, H]; all but the mask
         # in the layers' dtype (bf16 or float32)
         """
-        T, dt = x.shape[0], self.dtype
-        if x.dtype != dt or cos.dtype != dt or sin.dtype != dt:
-            raise TypeError(f"decode_layers reads {dt} activations and rotary tables, got {x.dtype} / {cos.dtype}")
-        if start + T > cache.capacity:
-            raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
-        assert cache.k.dtype == dt and cache.k.is_contiguous() and cache.v.is_contiguous()
-        self._point_at(cache)
-        H, I, Hq, Hkv, D = self.H, self.I, self.Hq, self.Hkv, self.D
-        x = x.clone(memory_format=torch.contiguous_format)  # updated in place
-        cos, sin = cos.contiguous(), sin.contiguous()
         mask = None if new_mask is None else new_mask.contiguous()
-        work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=dt)
-        kept = None if queries is None else torch.empty((len(self.ptrs), T, Hq, D), dtype=dt)
-        scores = CpuKernels.attend_scratch(T, Hq, Hkv, start)
-        self.kernels.decode_layers[dt](ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv,
-                                       D, cache.capacity, start, cos.data_ptr(), sin.data_ptr(), ptr(mask),
-                                       self.eps, self.scale, work.data_ptr(), scores.data_ptr(), ptr(kept),
-                                       torch.get_num_threads())
+        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask)
+        x, kept = self._run(x, cos, sin, [seq], start + x.shape[0], queries is not None)
         if queries is not None:
             queries.extend(q.transpose(0, 1) for q in kept)
         return x
+
+    def batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              spans: list[tuple[int, int, int, int, torch.Tensor | None]], queries: list | None = None) -> torch.Tensor:
+        """A batched worker's forward: every sequence's rows over its one page of the pool, each row as its solo run
+        computes it; with a queries list, each layer's q [N, Hq, D] is appended to it (as paged_attention.py does).
+
+        # x: [N, H] (embedded, packed), k/v: the pool [Lyr, Pg, Hkv, P, D], spans: (page, first row, rows, committed
+        # slots, tree mask [rows, rows] or None) per sequence -> x: [N, H]
+        """
+        masks = [None if m is None else m.contiguous() for *_, m in spans]  # alive until the call returns
+        seqs = [_seq(r0, T, start, k[:, page], v[:, page], m) for (page, r0, T, start, _), m in zip(spans, masks)]
+        x, kept = self._run(x, cos, sin, seqs, max(start + T for _, _, T, start, _ in spans), queries is not None)
+        if queries is not None:
+            queries.extend(kept)
+        return x
+
+    def _run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[_Seq], keys: int,
+             keep_queries: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """decode_layers over seqs -> the new x, and each layer's rotated queries [Lyr, T, Hq, D] if kept.
+        keys: the most keys a sequence attends (the attention's scratch)."""
+        T, dt = x.shape[0], self.dtype
+        if x.dtype != dt or cos.dtype != dt or sin.dtype != dt:
+            raise TypeError(f"decode_layers reads {dt} activations and rotary tables, got {x.dtype} / {cos.dtype}")
+        x = x.clone(memory_format=torch.contiguous_format)  # updated in place
+        H, I, Hq, Hkv, D = self.H, self.I, self.Hq, self.Hkv, self.D
+        cos, sin = cos.contiguous(), sin.contiguous()
+        work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=dt)
+        kept = torch.empty((len(self.ptrs), T, Hq, D), dtype=dt) if keep_queries else None
+        most = max(s.T for s in seqs)
+        scores = CpuKernels.attend_scratch(most, Hq, Hkv, keys - most)
+        arr = (_Seq * len(seqs))(*seqs)
+        self.kernels.decode_layers[dt](ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D,
+                                       ctypes.addressof(arr), len(seqs), cos.data_ptr(), sin.data_ptr(), self.eps,
+                                       self.scale, work.data_ptr(), scores.data_ptr(), ptr(kept),
+                                       torch.get_num_threads())
+        return x, kept

@@ -2,7 +2,9 @@
 
 `sdpa` (the reference) attends each sequence as a solo run does (same kernel, same operand shapes: bit-identical on
 CPU); `dense` attends them all in one batched matmul (dense_attention.py; exact up to rounding, the CPU default in bf16);
-`paged` interprets the plan arrays flashinfer takes, in torch; `flashinfer` hands the same plan to flashinfer.
+`paged` interprets the plan arrays flashinfer takes, in torch; `flashinfer` hands the same plan to flashinfer. On CPUs
+where our kernels run, `sdpa` and `dense` forwards of one-page sequences run their layers in one call instead
+(cpu_layers.py: each row as its solo run computes it, bf16 included).
 """
 
 from __future__ import annotations
@@ -168,6 +170,21 @@ class BatchContext:
     queries: list | None = None  # when a list, each layer appends its q [N, Hq, D] (for KV importance)
     _spans: list | None = None  # sdpa/dense: per-sequence rows, keys and masks, worked out at the first layer
     _dense: Dense | None = None  # dense: the sequences attended together
+
+    def whole_layer_spans(self) -> list[tuple[int, int, int, int, torch.Tensor | None]] | None:
+        """Where cpu_layers may run this forward's layers in one call (CpuLayers.batch): `sdpa` or `dense` (there both
+        become each row as its solo run computes it), every sequence on one page (CPU jobs), no partial caches. Then per
+        sequence (its page, first row, rows, committed tokens, tree mask or None for one row); else None."""
+        if self.selects is not None or self.backend not in ("sdpa", "dense"):
+            return None
+        plan, spans = self.plan, []
+        for i in range(plan.batch_size):
+            pages, T = plan.pages(i), plan.qo_len(i)
+            if pages.shape[0] != 1:
+                return None
+            spans.append((int(pages[0]), int(plan.qo_indptr[i]), T, plan.kv_len(i) - T,
+                          None if T == 1 else plan.tree_masks[i]))
+        return spans
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
         """Write the new tokens' K/V into their pages, then attend. # q: [1, Hq, N, D], k/v: [1, Hkv, N, D] -> [1, N, Hq, D]"""

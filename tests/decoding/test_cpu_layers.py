@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.cpu_layers import CpuLayers
 from specrun.decoding.decoder import FusedDecoder
@@ -123,18 +124,31 @@ def test_taken_only_where_it_computes_the_same(tmp_path):
 
 
 @needs_kernels
-def test_layers_follow_a_new_cache_at_a_reused_address(tmp_path):
-    """A new cache may take a freed one's address with another capacity: every layer but the first then moves."""
-    from specrun.decoding.kv_cache import KVCache
-
-    layers = FusedDecoder.of(_tiny(tmp_path).model).cpu_layers
-    a = KVCache(3, 64, 2, 32, torch.bfloat16, "cpu")
-    layers._point_at(a)
-    b = KVCache(3, 1, 2, 32, torch.bfloat16, "cpu")
-    b.k, b.v = (t.view(-1)[: 3 * 2 * 40 * 32].view(3, 2, 40, 32) for t in (a.k, a.v))  # a's storage, capacity 40
-    layers._point_at(b)
-    assert [p.k for p in layers.ptrs] == [b.k[i].data_ptr() for i in range(3)]
-    assert [p.v for p in layers.ptrs] == [b.v[i].data_ptr() for i in range(3)]
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("backend", ["dense", "sdpa"])
+def test_a_batched_worker_runs_each_sequence_as_its_solo_run(tmp_path, dtype, backend, monkeypatch):
+    """A batched worker's sequences, each on its one page (as CPU jobs hold them), run the layers in one call too, each
+    row as its solo run computes it: bf16 tokens equal solo AR's bit for bit as float32's do, drafted, with prefill
+    chunks, tries of several rows and sequences arriving mid-run."""
+    lm = _tiny(tmp_path, dtype=dtype)
+    calls = []
+    batch = CpuLayers.batch
+    monkeypatch.setattr(CpuLayers, "batch", lambda self, *a, **k: calls.append(len(a[5])) or batch(self, *a, **k))
+    text = list(b"the keeper climbed the stairs. the keeper climbed the stairs. the keeper")
+    jobs = [("greedy", text, SamplingParams(max_tokens=60, ignore_eos=True)),
+            ("sampled", list(b"once upon a time"), SamplingParams(max_tokens=50, temperature=1.0, min_p=0.1,
+                                                                 penalty=1.2, penalty_window=16, seed=3,
+                                                                 ignore_eos=True)),
+            ("hot", list(b"abcabc"), SamplingParams(max_tokens=40, temperature=1.3, seed=1, ignore_eos=True))]
+    refs = {key: Engine(lm, EngineConfig(drafters=())).generate(p, params).token_ids for key, p, params in jobs}
+    need = len(text) + 60 + 16 + 1
+    engine = BatchEngine(lm, EngineConfig(drafters=("ngram", "recycling"), adaptive_budget=False, trie_budget=16,
+                                          prefill_chunk=8),
+                         BatchConfig(concurrency=2, kv_tokens=2 * need, page_size=need, backend=backend))
+    got = engine.run([(key, p, params, []) for key, p, params in jobs])
+    assert {key: r.token_ids for key, r in got.items()} == refs
+    assert got["greedy"].stats["mean_accepted"] > 1.05  # drafted tokens were accepted (and moved into place)
+    assert max(calls) == 2 and len(calls) > 50  # two sequences in one call, and every forward went through it
 
 
 @needs_kernels
