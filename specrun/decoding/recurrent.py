@@ -81,18 +81,25 @@ def noise_row(w: DraftWeights, seed: int, position: int) -> torch.Tensor:
 
 
 def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present: torch.Tensor | None,
-               position: int, noise=noise_row) -> tuple[torch.Tensor, torch.Tensor]:
+               position: int, noise=noise_row) -> torch.Tensor:
     """The drafter's guess of AR's scores at `position`: AR's processing (penalty from the committed window), then the
-    position's own Gumbel noise when sampling; and the chance it gives each token of being AR's pick.
-    # s: [R, H], present: [V] bool or None -> scores [R, N] (-inf = dropped), probs [R, N]"""
+    position's own Gumbel noise when sampling.
+    # s: [R, H], present: [N] bool over the drafter's vocabulary, or None -> scores [R, N] (-inf = dropped)"""
     z = w.logits(s)
-    pres = present[w.vocab_ids][None].expand_as(z) if present is not None else None
+    pres = present[None].expand_as(z) if present is not None else None
     scores = process_logits(z, pres, params)
     if not params.greedy:
         scores = scores + noise(w, params.seed, position).to(scores.dtype)[None]
-    # with the noise in, softmax(scores) estimates how likely each token is AR's own pick: AR's scores are the
-    # drafter's plus its error, so the coupled argmax is the likeliest by far where the drafter is close
-    return scores, scores.softmax(dim=-1).nan_to_num(0.0)  # (a NaN would break the best-first order)
+    return scores
+
+
+def _top_children(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's k best columns and the chance the drafter gives each of being AR's pick: with the noise in, AR's
+    scores are the drafter's plus its error, so softmax(scores) estimates it (the coupled argmax is the likeliest by
+    far where the drafter is close). # scores: [R, N] -> values, columns, probabilities: [R, k] each"""
+    val, idx = torch.topk(scores, k, dim=-1)
+    prob = (val - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
+    return val, idx, prob.nan_to_num(0.0)  # (a NaN would break the best-first order)
 
 
 @torch.inference_mode()
@@ -107,23 +114,23 @@ def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, param
     depth = min(len(shape), max_nodes)
     if depth < 1:
         return [root], [-1]
+    present = present[w.vocab_ids] if present is not None else None  # [N]: the committed window's, for every level
     s = h[None].to(w.up.weight.dtype)  # [R, H], R = frontier rows
     x = torch.tensor([root], dtype=torch.long, device=h.device)  # [R] the frontier's tokens
     mass, parents, tokens = [1.0], [-1], [root]  # mass: the drafter's probability of the node's whole path
     frontier = [0]  # node index of each frontier row
     for d in range(1, depth + 1):
         s = w.step(s, w.embed(x).to(s.dtype))  # [R, H]
-        scores, probs = _processed(w, s, params, present, position + d, noise)  # [R, N] each
+        scores = _processed(w, s, params, present, position + d, noise)  # [R, N]
         k = min(shape[d - 1], scores.shape[1])
-        val, idx = torch.topk(scores, k, dim=-1)  # [R, k]
+        val, idx, prob = _top_children(scores, k)  # [R, k] each
         keep = (val > float("-inf")).flatten().nonzero().squeeze(1)  # [C] children that truncation allows
         if keep.numel() == 0:
             break
         cols = idx.flatten()[keep]  # [C] the kept children's columns in the drafter's vocabulary
         x = w.vocab_ids[cols]  # [C] the next frontier's tokens
         rows = keep // k
-        s = s[rows]
-        p_child = probs[rows, cols].tolist()
+        p_child = prob.flatten()[keep].tolist()
         nxt = []
         for j, tok, pc in zip(keep.tolist(), x.tolist(), p_child):
             p = frontier[j // k]
@@ -131,11 +138,23 @@ def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, param
             parents.append(p)
             tokens.append(tok)
             nxt.append(len(tokens) - 1)
-        frontier = nxt
-    # a child's mass never exceeds its parent's, and ties keep creation order: parents stay before children
-    order = sorted(range(1, len(tokens)), key=lambda i: -mass[i])[:max_nodes]
+        # a child outside the best max_nodes nodes so far stays out, and so do its descendants (no more mass, created
+        # later): only the others are expanded, so a level runs at most max_nodes rows
+        best = set(_best_first(mass, max_nodes))
+        alive = [c for c, node in enumerate(nxt) if node in best]
+        if not alive:
+            break
+        sel = torch.tensor(alive, dtype=torch.long, device=h.device)
+        s, x, frontier = s[rows[sel]], x[sel], [nxt[c] for c in alive]
+    order = _best_first(mass, max_nodes)
     new = {0: 0, **{old: i + 1 for i, old in enumerate(order)}}
     return [root, *(tokens[i] for i in order)], [-1, *(new[parents[i]] for i in order)]
+
+
+def _best_first(mass: list[float], n: int) -> list[int]:
+    """The n nodes (root excluded) of the largest path mass, best first. A child's mass never exceeds its parent's,
+    and ties keep creation order: parents stay before children."""
+    return sorted(range(1, len(mass)), key=lambda i: -mass[i])[:n]
 
 
 class RecurrentDrafter:

@@ -63,7 +63,7 @@ def test_coupled_scores_pick_the_token_ar_samples(lm):
         trie = build_trie(st.root, [], 1, lm.device)
         h = eng.runner.forward(trie.tokens, trie.depths + st.n - 1, trie.ancestors)  # [1, H]
         ctx = st.draft_context(2, with_present=True)
-        scores, _ = _processed(w, h, params, ctx.present, ctx.position + 1)
+        scores = _processed(w, h, params, ctx.present[w.vocab_ids], ctx.position + 1)
         assert int(scores.argmax()) == out[k] == int(st.choose(trie, eng.runner.logits(h))[0][0])
 
 
