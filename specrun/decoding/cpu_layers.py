@@ -29,12 +29,18 @@ class _Seq(ctypes.Structure):  # cpu_kernels.c seq_t
                [("k", _P), ("v", _P), ("mask", _P)]
 
 
-def _seq(r0: int, T: int, start: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> _Seq:
+def _seq(r0: int, T: int, start: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         dtype: torch.dtype) -> _Seq:
     """One sequence's rows and cache. # k, v: [Lyr, Hkv, cap, D] views (layers may be strided, each layer contiguous),
     mask: [T, T] bool contiguous or None (T == 1)"""
     if start + T > k.shape[2]:
         raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {k.shape[2]}")
-    assert k.stride() == v.stride() and k[0].is_contiguous() and v[0].is_contiguous()
+    if k.dtype != dtype or v.dtype != dtype or (mask is not None and mask.dtype != torch.bool):
+        raise TypeError(f"decode_layers writes {dtype} K/V with a bool mask, got {k.dtype} / {v.dtype} / "
+                        f"{None if mask is None else mask.dtype}")
+    if k.stride() != v.stride() or not (k[0].is_contiguous() and v[0].is_contiguous()) \
+            or (mask is not None and not mask.is_contiguous()):
+        raise ValueError("decode_layers reads each layer's K/V and the mask contiguous, K and V alike")
     return _Seq(r0, T, start, k.shape[2], k.stride(0), k.data_ptr(), v.data_ptr(), ptr(mask))
 
 
@@ -59,6 +65,7 @@ class CpuLayers:
                 lin = getattr(L, name)
                 setattr(p, name, lin._own.data_ptr())
                 setattr(p, "b_" + name, ptr(lin._bias32))
+
     @classmethod
     def of(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
@@ -87,7 +94,7 @@ class CpuLayers:
         # in the layers' dtype (bf16 or float32)
         """
         mask = None if new_mask is None else new_mask.contiguous()
-        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask)
+        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask, self.dtype)
         x, kept = self._run(x, cos, sin, [seq], start + x.shape[0], queries is not None)
         if queries is not None:
             queries.extend(q.transpose(0, 1) for q in kept)
@@ -102,7 +109,7 @@ class CpuLayers:
         # slots, tree mask [rows, rows] or None) per sequence -> x: [N, H]
         """
         masks = [None if m is None else m.contiguous() for *_, m in spans]  # alive until the call returns
-        seqs = [_seq(r0, T, start, k[:, page], v[:, page], m) for (page, r0, T, start, _), m in zip(spans, masks)]
+        seqs = [_seq(r0, T, start, k[:, page], v[:, page], m, self.dtype) for (page, r0, T, start, _), m in zip(spans, masks)]
         x, kept = self._run(x, cos, sin, seqs, max(start + T for _, _, T, start, _ in spans), queries is not None)
         if queries is not None:
             queries.extend(kept)

@@ -47,7 +47,7 @@ def test_smollm2_chat_greedy_drafting_equals_ar_and_hf():
 def test_smollm2_bf16_drafting_and_resume_equal_ar_bit_for_bit(sampled):
     """With our CPU kernels (AVX-512 BF16) every linear and attention row is computed alone and in one order, so in
     bf16 a 16-node verify, an AR step and a resumed prefill give each token the same logits and K/V: speculative and
-    resumed output are AR's exactly. With oneDNN and SDPA instead (SPECRUN_CPU_KERNELS=0) speculative output differed
+    resumed output are AR's exactly, and so is a batched worker's (one kernel call for every prompt). With oneDNN and SDPA instead (SPECRUN_CPU_KERNELS=0) speculative output differed
     from AR's at token 26 greedy and 27 sampled, the resumed one at token 71 sampled (measured)."""
     from specrun.decoding.cpu_kernels import cpu_kernels
 
@@ -63,3 +63,11 @@ def test_smollm2_bf16_drafting_and_resume_equal_ar_bit_for_bit(sampled):
     spec = Engine(lm, EngineConfig(trie_budget=16, adaptive_budget=False))
     assert spec.generate(prompt, params).token_ids == ar
     assert spec.generate(prompt, params, resume_from=ar[:50]).token_ids == ar
+    # a batched worker's forward beside another prompt (each on its page, as CPU jobs run): the same tokens again
+    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+
+    other = lm.tokenizer.encode("The history of the printing press")
+    need = len(prompt) + 100 + 17
+    batch = BatchEngine(lm, EngineConfig(trie_budget=16, adaptive_budget=False),
+                        BatchConfig(concurrency=2, kv_tokens=2 * need, page_size=need))
+    assert batch.run([(0, prompt, params, []), (1, other, params, [])])[0].token_ids == ar
