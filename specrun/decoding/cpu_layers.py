@@ -109,7 +109,8 @@ class CpuLayers:
         # slots, tree mask [rows, rows] or None) per sequence -> x: [N, H]
         """
         masks = [None if m is None else m.contiguous() for *_, m in spans]  # alive until the call returns
-        seqs = [_seq(r0, T, start, k[:, page], v[:, page], m, self.dtype) for (page, r0, T, start, _), m in zip(spans, masks)]
+        seqs = [_seq(r0, T, start, k[:, page], v[:, page], m, self.dtype)
+                for (page, r0, T, start, _), m in zip(spans, masks)]
         x, kept = self._run(x, cos, sin, seqs, max(start + T for _, _, T, start, _ in spans), queries is not None)
         if queries is not None:
             queries.extend(kept)

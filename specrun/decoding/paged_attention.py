@@ -30,7 +30,7 @@ def check_paged_backend(name: str) -> None:
 def resolve_backend(name: str, dtype: torch.dtype, device) -> str:
     """auto: `dense` on CPU in reduced precision, else `sdpa`, which keeps float32 sequences bit-for-bit their solo
     runs. Where our CPU kernels run, both take the one-call layers for one-page sequences (each row its solo values);
-    elsewhere dense attends every sequence in one call (~2x faster than sdpa's call per sequence, exact up to rounding)."""
+    elsewhere dense attends every sequence in one call (~2x faster than a call per sequence, exact up to rounding)."""
     check_paged_backend(name)
     if name != "auto":
         return name

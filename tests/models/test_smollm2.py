@@ -47,8 +47,9 @@ def test_smollm2_chat_greedy_drafting_equals_ar_and_hf():
 def test_smollm2_bf16_drafting_and_resume_equal_ar_bit_for_bit(sampled):
     """With our CPU kernels (AVX-512 BF16) every linear and attention row is computed alone and in one order, so in
     bf16 a 16-node verify, an AR step and a resumed prefill give each token the same logits and K/V: speculative and
-    resumed output are AR's exactly, and so is a batched worker's (one kernel call for every prompt). With oneDNN and SDPA instead (SPECRUN_CPU_KERNELS=0) speculative output differed
-    from AR's at token 26 greedy and 27 sampled, the resumed one at token 71 sampled (measured)."""
+    resumed output are AR's exactly, and so is a batched worker's (one kernel call for every prompt). With oneDNN and
+    SDPA instead (SPECRUN_CPU_KERNELS=0) speculative output differed from AR's at token 26 greedy and 27 sampled, the
+    resumed one at token 71 sampled (measured)."""
     from specrun.decoding.cpu_kernels import cpu_kernels
 
     if cpu_kernels() is None:
