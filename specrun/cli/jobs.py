@@ -38,7 +38,7 @@ run_options = [
     click.option("--concurrency", type=Concurrency(), default="auto", show_default=True,
                  help="Prompts each worker generates at once, one batched verify forward per step (--attention "
                       "split runs one). auto: as many as the worker's KV memory holds with the job's longest "
-                      "prompt, at most 8 on CPU and 16 per GPU. The outputs are the same whatever N."),
+                      "prompt, at most 16. The outputs are the same whatever N."),
     click.option("--quiet", "-q", is_flag=True, help="No progress output (warnings and errors only)."),
     click.option("--detach", is_flag=True, help="Run the driver on the Ray cluster at --address (its dashboard, "
                  "http://HEAD:8265) as a Ray Job and return at once; the job dir must be at the same path there."),
