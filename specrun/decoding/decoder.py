@@ -124,11 +124,11 @@ class FusedDecoder:
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
         T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
         if self.cpu_layers is not None:
-            if isinstance(ctx, ForwardContext) and ctx.whole_layers:
-                new = None if T == 1 else ctx.mask[:, ctx.start : ctx.start + T]  # [T, T]
-                return self.norm(self.cpu_layers(x, cos[:, 0], sin[:, 0], ctx.cache, ctx.start, new, ctx.queries))
-            spans = None if isinstance(ctx, ForwardContext) else ctx.whole_layer_spans()
-            if spans is not None:
+            if isinstance(ctx, ForwardContext):
+                if ctx.whole_layers:
+                    new = None if T == 1 else ctx.mask[:, ctx.start : ctx.start + T]  # [T, T]
+                    return self.norm(self.cpu_layers(x, cos[:, 0], sin[:, 0], ctx.cache, ctx.start, new, ctx.queries))
+            elif (spans := ctx.whole_layer_spans()) is not None:  # a batched worker's BatchContext
                 return self.norm(self.cpu_layers.batch(x, cos[:, 0], sin[:, 0], ctx.pool.k, ctx.pool.v, spans,
                                                        ctx.queries))
         for i, L in enumerate(self.layers):
