@@ -102,8 +102,9 @@ class SeqPages:
     def commit(self, offsets: torch.Tensor) -> None:
         """Keep the forward's tokens length+offsets (ascending) as the next committed ones; free what is left over.
 
-        # offsets: [A] long, offsets[0] == 0 (the root)
+        # offsets: [A] long on any device, offsets[0] == 0 (the root)
         """
+        offsets = offsets.cpu()  # the page table lives on the CPU; a CUDA path indexed it and crashed (seen on an H200)
         a, start = offsets.shape[0], self.length
         if self.pool.page_size == 1:  # reorder the table: accepted nodes' pages become the next ones, no K/V copy
             fresh = self._table[start : self.n_pages].clone()

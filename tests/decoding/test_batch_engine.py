@@ -96,17 +96,23 @@ def test_auto_backend_is_dense_only_on_cpu_in_reduced_precision():
         resolve_backend("flash", torch.float32, "cpu")
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_commit_keeps_accepted_rows_and_returns_pages(page_size):
-    pool = PagePool(2, 64, page_size, 1, 2, torch.float32, "cpu")
+def test_commit_keeps_accepted_rows_and_returns_pages(page_size, device):
+    """The accepted path comes from the verify forward, on the model's device; the page table is on the CPU."""
+    pool = PagePool(2, 64, page_size, 1, 2, torch.float32, device)
     before = pool.available
     sp = pool.admit(40)
     sp.ensure(10)
     sp.append(10)
     plan = build_plan([sp], [torch.eye(6, dtype=torch.bool)])
     marks = torch.arange(100, 106, dtype=torch.float32)
-    pool.k[:, plan.write_pages, :, plan.write_offsets] = marks[:, None, None, None].expand(6, 2, 1, 2)
-    sp.commit(torch.tensor([0, 2, 5]))
+    pool.k[:, plan.write_pages, :, plan.write_offsets] = marks[:, None, None, None].expand(6, 2, 1, 2).to(device)
+    sp.commit(torch.tensor([0, 2, 5], device=device))
     assert sp.length == 13
     pages, offsets = sp.slots(10, 13)
     assert pool.k[0, pages, 0, offsets, 0].tolist() == [100.0, 102.0, 105.0]
@@ -129,10 +135,13 @@ def solo(lm, prompt, params, drafters, resume=()):
     return Engine(lm, EngineConfig(drafters=drafters)).generate(prompt, params, resume_from=list(resume))
 
 
-# 256: one page per sequence (read in place, as on CPU jobs); dense: rounding-level differences leave float32 tokens
-@pytest.mark.parametrize(("page_size", "backend"), [(1, "sdpa"), (256, "sdpa"), (256, "dense")])
-def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture, page_size, backend):
-    lm = load_fixture("llama_gqa", dtype="float32")
+# 256: one page per sequence (read in place, as on CPU jobs); dense: rounding-level differences leave float32 tokens;
+# 16 on CUDA: the page size CUDA workers use
+@pytest.mark.parametrize(("page_size", "backend", "device"), [
+    (1, "sdpa", "cpu"), (256, "sdpa", "cpu"), (256, "dense", "cpu"),
+    pytest.param(16, "sdpa", "cuda", marks=[pytest.mark.gpu, CUDA])])
+def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture, page_size, backend, device):
+    lm = load_fixture("llama_gqa", dtype="float32", device=device)
     tok = lm.tokenizer
     drafters = ("ngram", "recycling")
     free = solo(lm, tok.encode(REPETITIVE), SamplingParams(max_tokens=80, ignore_eos=True), drafters).token_ids
@@ -196,8 +205,9 @@ def test_pool_too_small_for_a_request_is_a_clear_error(load_fixture):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flashinfer")
+@CUDA
 def test_flashinfer_equals_paged_on_random_ragged_tries():
+    pytest.importorskip("flashinfer", reason="needs flashinfer (pip install 'specrun[cuda]')")
     from specrun.decoding.paged_attention import FlashInferAttention
 
     gen = torch.Generator().manual_seed(0)
