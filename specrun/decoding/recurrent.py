@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrun.decoding.linear import Linear
-from specrun.decoding.sampling import SamplingParams, gumbel_at, process_logits
+from specrun.decoding.sampling import FEW_PAIRS, SamplingParams, gumbel_at, process_logits
 from specrun.decoding.trie import Draft, DraftContext
 
 DEFAULT_SHAPE = (4, 2, 2, 1, 1)  # children per node at depths 1..5 (60 nodes); nodes are ordered best-first
@@ -89,8 +89,20 @@ def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present
     pres = present[None].expand_as(z) if present is not None else None
     scores = process_logits(z, pres, params)
     if not params.greedy:
-        scores = scores + noise(w, params.seed, position).to(scores.dtype)[None]
+        _add_noise(w, scores, params.seed, position, noise)
     return scores
+
+
+def _add_noise(w: DraftWeights, scores: torch.Tensor, seed: int, position: int, noise) -> None:
+    """scores += the position's Gumbel row, in place. Where truncation (min-p, top-k, top-p) kept few tokens, only
+    theirs is computed (the same values): a whole row over the drafter's 8,192 tokens took ~0.9 ms, a fifth of a
+    drafted tree on smollm2. # scores: [R, N] float, -inf = dropped"""
+    rows, cols = torch.isfinite(scores).nonzero(as_tuple=True)  # [K] each
+    if rows.numel() <= FEW_PAIRS:
+        g = gumbel_at(seed, torch.full_like(cols, position), w.vocab_ids[cols])
+        scores[rows, cols] += g.to(scores.dtype)
+    else:
+        scores += noise(w, seed, position).to(scores.dtype)[None]
 
 
 def _top_children(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

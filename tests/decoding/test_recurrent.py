@@ -94,6 +94,31 @@ def test_draft_tree_is_best_first_and_within_budget(lm, trained):
         assert (tokens, parents) == (full[0][: len(tokens)], full[1][: len(tokens)])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=9, temperature=1.0, min_p=0.9, penalty=1.3, seed=4),
+                                    SamplingParams(max_tokens=9, temperature=1.2, seed=4)], ids=["min-p", "untruncated"])
+def test_noise_on_kept_tokens_only_drafts_the_same_tree(lm, trained, params, monkeypatch):
+    """Drafting computes the Gumbel noise only where truncation kept tokens (few pairs) and a whole row otherwise:
+    the tree is the one a whole row gives, node for node."""
+    import specrun.decoding.recurrent as recurrent
+
+    w = DraftWeights(load_drafter(trained[0], lm), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
+    h = torch.randn(lm.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    present = torch.zeros(lm.vocab_size, dtype=torch.bool)
+    present[::7] = True
+    calls = []
+
+    def row(w_, seed, position):
+        calls.append(position)
+        return recurrent.noise_row(w_, seed, position)
+
+    got = draft_tree(w, h, 5, 40, params, present, (3, 2, 1), 12, row)
+    sparse_calls = len(calls)
+    monkeypatch.setattr(recurrent, "FEW_PAIRS", -1)  # every level takes the whole row
+    want = draft_tree(w, h, 5, 40, params, present, (3, 2, 1), 12, row)
+    assert got == want and len(got[0]) > 4
+    assert (sparse_calls == 0) == (params.min_p > 0)  # min-p leaves few tokens: no whole row was computed
+
+
 def test_a_drafter_that_knows_the_model_drafts_ars_own_tokens(load_fixture):
     """A stand-in drafter that returns the model's true hidden state at every level: its noise-coupled chain is
     exactly the tokens AR sampled, at every depth (the noise at depth d is AR's at position root + d)."""
