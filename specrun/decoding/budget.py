@@ -107,6 +107,9 @@ class BudgetTuner:
     def observe_shadow(self, paths: list[list[int]]) -> None:
         """Accepted paths of full-width tries that narrower steps verified only in part (shadow.py), one observation: exact
         acceptance for every wider width, at no cost to time."""
+        if not self._shadowed:  # what wider widths held so far were lower bounds (narrower steps): start from exact data
+            for w in self.widths[1:]:
+                self._acc_n[w] = 0
         self._observe_accepted(self.widths[-1], paths, self.widths[1:])
         self._shadowed = True
 

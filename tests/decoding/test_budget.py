@@ -216,3 +216,17 @@ def test_narrow_steps_do_not_wear_down_wider_widths_that_shadows_measure():
     for _ in range(50):
         unshadowed.observe(2, [1], 1.0)
     assert unshadowed.accepted[8] == pytest.approx(2.0, abs=0.05)  # without shadows the bound is all it knows
+
+
+def test_the_first_shadow_replaces_the_lower_bounds_narrow_steps_left_on_wider_widths():
+    """Before any shadow, width-2 steps that missed wear every wider estimate down to ~1 token (a bound, not a
+    measurement); the first shadow's exact acceptance replaces that, so a passage that starts repeating is seen
+    at once, not after ~1/EMA shadows (a looping text spent most of a 256-token generation at width 1)."""
+    t = BudgetTuner(8)
+    for _ in range(30):
+        t.observe(2, [], 1.0)  # width 2's drafted node missed: every width's estimate falls towards 1 token
+    assert t.accepted[8] < 1.1
+    t.observe_shadow([[1, 2, 3, 4, 5, 6, 7]])  # the full trie would have accepted 7 drafted tokens
+    assert t.accepted[8] == pytest.approx(8.0) and t.accepted[4] == pytest.approx(4.0)
+    t.observe_shadow([[1, 2, 3]])  # later shadows average in as before
+    assert t.accepted[8] == pytest.approx(6.0)
