@@ -99,8 +99,9 @@ def _add_noise(w: DraftWeights, scores: torch.Tensor, seed: int, position: int, 
     drafted tree on smollm2. # scores: [R, N] float, -inf = dropped"""
     rows, cols = torch.isfinite(scores).nonzero(as_tuple=True)  # [K] each
     if rows.numel() <= FEW_PAIRS:
-        g = gumbel_at(seed, torch.full_like(cols, position), w.vocab_ids[cols])
-        scores[rows, cols] += g.to(scores.dtype)
+        uniq, inverse = torch.unique(cols, return_inverse=True)  # rows share the position: one draw per kept token
+        g = gumbel_at(seed, torch.full_like(uniq, position), w.vocab_ids[uniq])
+        scores[rows, cols] += g.to(scores.dtype)[inverse]
     else:
         scores += noise(w, seed, position).to(scores.dtype)[None]
 

@@ -11,6 +11,7 @@ from specrun.decoding.paged_attention import attend_paged, attend_sdpa, resolve_
 from specrun.decoding.paged_kv import PagePool
 from specrun.decoding.plan import build_plan, packbits, unpackbits
 from specrun.decoding.sampling import SamplingParams
+from tests.decoding.test_attention import CUDA
 
 REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat"
 
@@ -96,7 +97,6 @@ def test_auto_backend_is_dense_only_on_cpu_in_reduced_precision():
         resolve_backend("flash", torch.float32, "cpu")
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
 
 
