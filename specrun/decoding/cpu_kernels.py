@@ -100,6 +100,12 @@ class CpuKernels:
                                  + [ctypes.c_long] + [ctypes.c_float] * 3 + [ctypes.c_uint64] * 2
                                  + [ctypes.c_void_p] * 3 + [ctypes.c_int])
         self._sample.restype = ctypes.c_int
+        self._draft_level = lib.draft_level_f32
+        self._draft_level.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 2
+                                      + [ctypes.c_float] * 3 + [ctypes.c_uint64] * 2 + [ctypes.c_int64, ctypes.c_int]
+                                      + [ctypes.c_void_p] * 4
+                                      + [ctypes.c_int])
+        self._draft_level.restype = ctypes.c_int
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
@@ -209,6 +215,26 @@ class CpuKernels:
                            seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, positions.data_ptr(), out.data_ptr(),
                            choice.data_ptr(), torch.get_num_threads())
         return None if bad else (choice, out)
+
+    def draft_level(self, z: torch.Tensor, present: torch.Tensor | None, vocab: torch.Tensor, theta: float,
+                    temperature: float, min_p: float, seed: int, position: int, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A recurrent drafter level's children (recurrent.py's _processed then _top_children, temperature + min-p) in one
+        pass a row: the k best noisy kept scores, their columns, and each row's logsumexp over its kept scores; None if
+        a row has a NaN. The noise is AR's at `position` for `seed`; present None: no penalty.
+
+        # z: [R, N] float32, present: [N] bool or None, vocab: [N] long -> values [R, k], columns [R, k], lse [R]
+        """
+        z, vocab = z.contiguous(), vocab.contiguous()
+        R, N = z.shape
+        assert z.dtype == torch.float32 and vocab.dtype == torch.long and vocab.shape == (N,) and 1 <= k <= TOPK_MAX
+        assert present is None or (present.dtype == torch.bool and present.is_contiguous() and present.shape == (N,))
+        out, val = torch.empty_like(z), torch.empty((R, k), dtype=torch.float32)
+        idx, lse = torch.empty((R, k), dtype=torch.long), torch.empty(R, dtype=torch.float32)
+        bad = self._draft_level(z.data_ptr(), R, N, ptr(present), vocab.data_ptr(), theta, temperature, math.log(min_p),
+                                seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position, k, out.data_ptr(), val.data_ptr(), idx.data_ptr(), lse.data_ptr(),
+                                torch.get_num_threads())
+        return None if bad else (val, idx, lse)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

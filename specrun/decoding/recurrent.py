@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrun.decoding.linear import Linear
-from specrun.decoding.sampling import FEW_PAIRS, SamplingParams, gumbel_at, process_logits
+from specrun.decoding.cpu_kernels import TOPK_MAX, cpu_kernels
+from specrun.decoding.sampling import FEW_PAIRS, SamplingParams, gumbel_at, kernel_sampling, process_logits
 from specrun.decoding.trie import Draft, DraftContext
 
 DEFAULT_SHAPE = (4, 2, 2, 1, 1)  # children per node at depths 1..5 (60 nodes); nodes are ordered best-first
@@ -85,12 +86,33 @@ def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present
     """The drafter's guess of AR's scores at `position`: AR's processing (penalty from the committed window), then the
     position's own Gumbel noise when sampling.
     # s: [R, H], present: [N] bool over the drafter's vocabulary, or None -> scores [R, N] (-inf = dropped)"""
-    z = w.logits(s)
+    return _scores(w, w.logits(s), params, present, position, noise)
+
+
+def _scores(w: DraftWeights, z: torch.Tensor, params: SamplingParams, present: torch.Tensor | None, position: int,
+            noise=noise_row) -> torch.Tensor:
+    """_processed from the drafter's logits. # z: [R, N] float32 -> [R, N]"""
     pres = present[None].expand_as(z) if present is not None else None
     scores = process_logits(z, pres, params)
     if not params.greedy:
         _add_noise(w, scores, params.seed, position, noise)
     return scores
+
+
+def _children(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present: torch.Tensor | None, position: int,
+              k: int, noise=noise_row) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_top_children(_processed(...), k) (k capped at the drafter's vocabulary), in one call of our kernel where it takes
+    the settings (temperature with min-p: sampling.kernel_sampling): a level's ~25 torch ops took 0.5-0.7 ms.
+    # s: [R, H] -> values, columns, probabilities: [R, k] each"""
+    z = w.logits(s)  # [R, N]
+    k = min(k, z.shape[1])
+    if k <= TOPK_MAX and kernel_sampling(params, z):
+        got = cpu_kernels().draft_level(z, present if params.uses_penalty else None, w.vocab_ids, params.penalty,
+                                        params.temperature, params.min_p, params.seed, position, k)
+        if got is not None:  # else a NaN: torch's path below
+            val, idx, lse = got
+            return val, idx, (val - lse[:, None]).exp().nan_to_num(0.0)
+    return _top_children(_scores(w, z, params, present, position, noise), k)
 
 
 def _add_noise(w: DraftWeights, scores: torch.Tensor, seed: int, position: int, noise) -> None:
@@ -134,9 +156,8 @@ def draft_tree(w: DraftWeights, h: torch.Tensor, root: int, position: int, param
     frontier = [0]  # node index of each frontier row
     for d in range(1, depth + 1):
         s = w.step(s, w.embed(x).to(s.dtype))  # [R, H]
-        scores = _processed(w, s, params, present, position + d, noise)  # [R, N]
-        k = min(shape[d - 1], scores.shape[1])
-        val, idx, prob = _top_children(scores, k)  # [R, k] each
+        val, idx, prob = _children(w, s, params, present, position + d, shape[d - 1], noise)  # [R, k] each
+        k = val.shape[1]
         keep = (val > float("-inf")).flatten().nonzero().squeeze(1)  # [C] children that truncation allows
         if keep.numel() == 0:
             break

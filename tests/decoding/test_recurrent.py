@@ -98,8 +98,10 @@ def test_draft_tree_is_best_first_and_within_budget(lm, trained):
                                     SamplingParams(max_tokens=9, temperature=1.2, seed=4)], ids=["min-p", "untruncated"])
 def test_noise_on_kept_tokens_only_drafts_the_same_tree(lm, trained, params, monkeypatch):
     """Drafting computes the Gumbel noise only where truncation kept tokens (few pairs) and a whole row otherwise:
-    the tree is the one a whole row gives, node for node."""
+    the tree is the one a whole row gives, node for node (torch's path: our kernel takes min-p levels where it loads)."""
     import specrun.decoding.recurrent as recurrent
+
+    monkeypatch.setattr(recurrent, "kernel_sampling", lambda p, z: False)
 
     w = DraftWeights(load_drafter(trained[0], lm), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
     h = torch.randn(lm.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
@@ -117,6 +119,41 @@ def test_noise_on_kept_tokens_only_drafts_the_same_tree(lm, trained, params, mon
     want = draft_tree(w, h, 5, 40, params, present, (3, 2, 1), 12, row)
     assert got == want and len(got[0]) > 4
     assert (sparse_calls == 0) == (params.min_p > 0)  # min-p leaves few tokens: no whole row was computed
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=9, temperature=1.0, min_p=0.1, penalty=1.3, seed=4),
+    SamplingParams(max_tokens=9, temperature=0.7, min_p=0.02, seed=2**40 + 9),
+    SamplingParams(max_tokens=9, temperature=1.0, min_p=0.5, penalty=0.8, seed=1)])
+def test_the_kernel_drafts_the_torch_paths_tree(lm, trained, params, monkeypatch):
+    """A drafter level in one call of our CPU kernel (processing, min-p, the kept tokens' noise, top-k, logsumexp)
+    drafts the tree torch's ops draft, node for node, with the same path probabilities."""
+    import specrun.decoding.recurrent as recurrent
+    from specrun.decoding.cpu_kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("our CPU kernels do not load here")
+    w = DraftWeights(load_drafter(trained[0], lm), lm.model.get_input_embeddings(), lm.model.get_output_embeddings())
+    present = torch.zeros(lm.vocab_size, dtype=torch.bool)
+    present[::5] = True
+    calls = []
+    real = recurrent._top_children
+    monkeypatch.setattr(recurrent, "_top_children", lambda *a: calls.append(1) or real(*a))
+    for seed in range(4):
+        h = torch.randn(lm.model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+        got = draft_tree(w, h, 5, 40 + seed, params, present, (4, 3, 2), 30)
+        assert not calls  # every level went through the kernel
+        with monkeypatch.context() as m:
+            m.setattr(recurrent, "kernel_sampling", lambda p, z: False)
+            want = draft_tree(w, h, 5, 40 + seed, params, present, (4, 3, 2), 30)
+        calls.clear()
+        assert got == want and len(got[0]) > 3
+        s = w.step(h[None], w.embed(torch.tensor([5])))
+        val, idx, prob = recurrent._children(w, s, params, present[w.vocab_ids], 41, 6)
+        m_val, m_idx, m_prob = real(_processed(w, s, params, present[w.vocab_ids], 41), 6)
+        kept = m_val > float("-inf")
+        assert torch.equal(val, m_val) and torch.equal(idx[kept], m_idx[kept])
+        torch.testing.assert_close(prob, m_prob, rtol=1e-5, atol=1e-7)
 
 
 def test_a_drafter_that_knows_the_model_drafts_ars_own_tokens(load_fixture):
