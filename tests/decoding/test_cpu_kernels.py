@@ -139,7 +139,8 @@ DTYPES = pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.fl
 
 @needs_kernels
 @DTYPES
-@pytest.mark.parametrize("Hq,Hkv,D,start", [(9, 3, 64, 37), (4, 4, 32, 0), (8, 2, 128, 300)])
+@pytest.mark.parametrize("Hq,Hkv,D,start", [(9, 3, 64, 37), (4, 4, 32, 0), (8, 2, 128, 300), (9, 3, 64, 1100),
+                                            (8, 2, 128, 511)])
 @pytest.mark.parametrize("mask", [None, [[1, 0], [1, 1]], [[1, 0], [0, 1]]])
 def test_attention_matches_float64_reference(Hq, Hkv, D, start, mask, dtype, tol):
     mask = None if mask is None else torch.tensor(mask, dtype=torch.bool)
@@ -175,15 +176,20 @@ def test_wide_attention_matches_the_reference_and_rows_are_independent(T, dtype,
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_row_is_the_same_alone_or_beside_another(dtype):
-    k, v = _cache(3, 64, 64, seed=3, dtype=dtype)
-    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
-    both = kernels.attend(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125)
-    assert torch.equal(kernels.attend(q[:1], k, v, 40, None, 0.125), both[:1])  # row 0 sees 40 + its own slot
+@pytest.mark.parametrize("start", [40, 509, 1022, 1535])
+def test_attention_row_is_the_same_alone_or_beside_another(dtype, start):
+    """A chain of 4 new rows (a verify) gives each row exactly what it gets alone once its ancestors are committed (an
+    AR step), at short and long contexts (across 512, 1024 and 1536 keys); and the same on one thread."""
+    k, v = _cache(3, start + 8, 64, seed=3, dtype=dtype)
+    q = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    chain = torch.ones(4, 4, dtype=torch.bool).tril()
+    rows = kernels.attend(q, k, v, start, chain, 0.125)
+    for d in range(4):  # row d sees the prefix and rows 0..d: an AR step after start + d committed slots
+        assert torch.equal(kernels.attend(q[d : d + 1], k, v, start + d, None, 0.125), rows[d : d + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.attend(q, k, v, 40, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), 0.125), both)
+        assert torch.equal(kernels.attend(q, k, v, start, chain, 0.125), rows)
     finally:
         torch.set_num_threads(threads)
 
