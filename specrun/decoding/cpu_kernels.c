@@ -563,29 +563,23 @@ int sample_minp_f32(const float *logits, long T, long V, const int32_t *counts, 
     return bad;
 }
 
-/* A drafter level (recurrent.py's _processed then _top_children) for temperature + min-p with the penalty or not: row t of
- * z [R, N] (logits over the drafter's tokens vocab[N]) processed into out [R, N] as process_logits does (penalty theta where
- * present[n], present NULL: none; temperature temp), cut below its max + log_min_p to -inf, the kept scores plus AR's
- * noise of (position, vocab[n]) under the seed's 32-bit halves; then the k best (descending, equal values in index order; -inf and index 0 past the
- * kept ones) into val/idx [R, k] and the row's logsumexp over its kept scores into lse [R] (-inf if none). One call a
- * level where ~25 torch ops took 0.5-0.7 ms on smollm2's drafter (8,192 tokens), a fifth of a sampled step. k <= 64.
- * Returns 1 if a row has a NaN (the caller falls back to torch), else 0. */
-int draft_level_f32(const float *z, long R, long N, const uint8_t *present, const int64_t *vocab, float theta,
+/* A drafter level (recurrent.py's _processed then _top_children) for temperature + min-p with the penalty or not:
+ * row t of z [R, N] (logits over the drafter's tokens vocab[N]) processed into out [R, N] by process_row (penalty theta
+ * where counts[n] > 0, counts NULL: none; temperature temp), cut below its max + log_min_p to -inf, the kept scores
+ * plus AR's noise of (position, vocab[n]) under the seed's 32-bit halves; then the k best (descending, equal values in
+ * index order; -inf and index 0 past the kept ones) into val/idx [R, k] and the row's logsumexp over its kept scores
+ * into lse [R] (-inf if none). One call a level where ~25 torch ops took 0.5-0.7 ms on smollm2's drafter (8,192
+ * tokens). k <= 64. Returns 1 if a row has a NaN (the caller falls back to torch), else 0. */
+int draft_level_f32(const float *z, long R, long N, const int32_t *counts, const int64_t *vocab, float theta,
                     float temp, float log_min_p, uint64_t s_lo, uint64_t s_hi, int64_t position, int k, float *out,
                     float *val, int64_t *idx, float *lse, int threads) {
     uint64_t key = mix32(mix32((uint64_t)position ^ s_lo) ^ s_hi);
     int bad = 0;
     _Pragma("omp parallel for schedule(static) num_threads(threads) reduction(|:bad)")
     for (long t = 0; t < R; t++) {
-        const float *l = z + t * N;
         float *s = out + t * N, *v = val + t * k;
         int64_t *id = idx + t * k;
-        for (long i = 0; i < N; i += 16) {
-            __mmask16 live = tail(N, i), pres = 0;
-            if (present != NULL)
-                pres = _mm_mask_cmpneq_epi8_mask(live, _mm_maskz_loadu_epi8(live, present + i), _mm_setzero_si128());
-            _mm512_mask_storeu_ps(s + i, live, process16(_mm512_maskz_loadu_ps(live, l + i), pres, theta, temp));
-        }
+        process_row(z + t * N, s, t, N, counts, NULL, NULL, NULL, 0, theta, temp);
         int nan, n = 0;
         float thr = row_max(s, N, &nan) + log_min_p;
         if (nan) { bad = 1; continue; }

@@ -103,8 +103,7 @@ class CpuKernels:
         self._draft_level = lib.draft_level_f32
         self._draft_level.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 2
                                       + [ctypes.c_float] * 3 + [ctypes.c_uint64] * 2 + [ctypes.c_int64, ctypes.c_int]
-                                      + [ctypes.c_void_p] * 4
-                                      + [ctypes.c_int])
+                                      + [ctypes.c_void_p] * 4 + [ctypes.c_int])
         self._draft_level.restype = ctypes.c_int
 
     @staticmethod
@@ -229,11 +228,12 @@ class CpuKernels:
         R, N = z.shape
         assert z.dtype == torch.float32 and vocab.dtype == torch.long and vocab.shape == (N,) and 1 <= k <= TOPK_MAX
         assert present is None or (present.dtype == torch.bool and present.is_contiguous() and present.shape == (N,))
+        counts = None if present is None else present.to(torch.int32)  # sample_minp_f32's presence: counts > 0
         out, val = torch.empty_like(z), torch.empty((R, k), dtype=torch.float32)
         idx, lse = torch.empty((R, k), dtype=torch.long), torch.empty(R, dtype=torch.float32)
-        bad = self._draft_level(z.data_ptr(), R, N, ptr(present), vocab.data_ptr(), theta, temperature, math.log(min_p),
-                                seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position, k, out.data_ptr(), val.data_ptr(), idx.data_ptr(), lse.data_ptr(),
-                                torch.get_num_threads())
+        bad = self._draft_level(z.data_ptr(), R, N, ptr(counts), vocab.data_ptr(), theta, temperature, math.log(min_p),
+                                seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position, k, out.data_ptr(),
+                                val.data_ptr(), idx.data_ptr(), lse.data_ptr(), torch.get_num_threads())
         return None if bad else (val, idx, lse)
 
 

@@ -81,17 +81,12 @@ def noise_row(w: DraftWeights, seed: int, position: int) -> torch.Tensor:
     return gumbel_at(seed, torch.full_like(w.vocab_ids, position), w.vocab_ids).float()
 
 
-def _processed(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present: torch.Tensor | None,
+def _processed(w: DraftWeights, z: torch.Tensor, params: SamplingParams, present: torch.Tensor | None,
                position: int, noise=noise_row) -> torch.Tensor:
-    """The drafter's guess of AR's scores at `position`: AR's processing (penalty from the committed window), then the
-    position's own Gumbel noise when sampling.
-    # s: [R, H], present: [N] bool over the drafter's vocabulary, or None -> scores [R, N] (-inf = dropped)"""
-    return _scores(w, w.logits(s), params, present, position, noise)
-
-
-def _scores(w: DraftWeights, z: torch.Tensor, params: SamplingParams, present: torch.Tensor | None, position: int,
-            noise=noise_row) -> torch.Tensor:
-    """_processed from the drafter's logits. # z: [R, N] float32 -> [R, N]"""
+    """The drafter's guess of AR's scores at `position` from its logits: AR's processing (penalty from the committed
+    window), then the position's own Gumbel noise when sampling.
+    # z: [R, N] float32 (w.logits), present: [N] bool over the drafter's vocabulary, or None -> scores [R, N]
+    # (-inf = dropped)"""
     pres = present[None].expand_as(z) if present is not None else None
     scores = process_logits(z, pres, params)
     if not params.greedy:
@@ -111,8 +106,8 @@ def _children(w: DraftWeights, s: torch.Tensor, params: SamplingParams, present:
                                         params.temperature, params.min_p, params.seed, position, k)
         if got is not None:  # else a NaN: torch's path below
             val, idx, lse = got
-            return val, idx, (val - lse[:, None]).exp().nan_to_num(0.0)
-    return _top_children(_scores(w, z, params, present, position, noise), k)
+            return val, idx, _chances(val, lse)
+    return _top_children(_processed(w, z, params, present, position, noise), k)
 
 
 def _add_noise(w: DraftWeights, scores: torch.Tensor, seed: int, position: int, noise) -> None:
@@ -133,8 +128,13 @@ def _top_children(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     scores are the drafter's plus its error, so softmax(scores) estimates it (the coupled argmax is the likeliest by
     far where the drafter is close). # scores: [R, N] -> values, columns, probabilities: [R, k] each"""
     val, idx = torch.topk(scores, k, dim=-1)
-    prob = (val - torch.logsumexp(scores, dim=-1, keepdim=True)).exp()
-    return val, idx, prob.nan_to_num(0.0)  # (a NaN would break the best-first order)
+    return val, idx, _chances(val, torch.logsumexp(scores, dim=-1))
+
+
+def _chances(val: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """softmax probabilities of the values, 0 where undefined (a NaN would break the best-first order).
+    # val: [R, k], lse: [R] each row's logsumexp -> [R, k]"""
+    return (val - lse[:, None]).exp().nan_to_num(0.0)
 
 
 @torch.inference_mode()

@@ -63,7 +63,7 @@ def test_coupled_scores_pick_the_token_ar_samples(lm):
         trie = build_trie(st.root, [], 1, lm.device)
         h = eng.runner.forward(trie.tokens, trie.depths + st.n - 1, trie.ancestors)  # [1, H]
         ctx = st.draft_context(2, with_present=True)
-        scores = _processed(w, h, params, ctx.present[w.vocab_ids], ctx.position + 1)
+        scores = _processed(w, w.logits(h), params, ctx.present[w.vocab_ids], ctx.position + 1)
         assert int(scores.argmax()) == out[k] == int(st.choose(trie, eng.runner.logits(h))[0][0])
 
 
@@ -150,7 +150,7 @@ def test_the_kernel_drafts_the_torch_paths_tree(lm, trained, params, monkeypatch
         assert got == want and len(got[0]) > 3
         s = w.step(h[None], w.embed(torch.tensor([5])))
         val, idx, prob = recurrent._children(w, s, params, present[w.vocab_ids], 41, 6)
-        m_val, m_idx, m_prob = real(_processed(w, s, params, present[w.vocab_ids], 41), 6)
+        m_val, m_idx, m_prob = real(_processed(w, w.logits(s), params, present[w.vocab_ids], 41), 6)
         kept = m_val > float("-inf")
         assert torch.equal(val, m_val) and torch.equal(idx[kept], m_idx[kept])
         torch.testing.assert_close(prob, m_prob, rtol=1e-5, atol=1e-7)
