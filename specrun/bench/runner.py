@@ -108,7 +108,7 @@ def plan(base: EngineConfig, heads_path: str | None, runs=DEFAULT_RUNS) -> tuple
             config = dataclasses.replace(base, **over)
             check = getattr(config, "active_drafters", None)  # engines with optional heads validate names here
             if check is not None:  # (a recurrent drafter is only known once the model is loaded: drop_unrunnable)
-                check(bool(config.heads_path) if "heads_path" in names else False, True)
+                check(bool(config.heads_path) if "heads_path" in names else False, True, True)
         except (ValueError, TypeError) as e:
             notes.append(f"{spec.name} skipped: {e}")
             continue

@@ -57,8 +57,8 @@ sampling_options = stack_options(
 
 engine_options = stack_options(
     click.option("--draft", default="auto", show_default=True,
-                 help=f"Drafters: 'auto' (ngram and recycling, the recurrent drafter where --drafter has one, heads "
-                      f"with --heads), 'none' for plain "
+                 help=f"Drafters: 'auto' (ngram and recycling, quant for a bf16 model on our CPU kernels, the "
+                      f"recurrent drafter where --drafter has one, heads with --heads), 'none' for plain "
                       f"autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
     click.option("--heads", "heads_path", type=click.Path(exists=True, file_okay=False), default=None,
                  help="Trained draft heads directory (specrun train-heads) for TokenSwift self-drafting."),

@@ -61,7 +61,7 @@ class _Active:
 class BatchEngine:
     def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
                  heads: DraftHeads | None = None):
-        heads, self.recurrent, names = resolve_drafting(config, lm, heads)
+        heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo=False)
         self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)

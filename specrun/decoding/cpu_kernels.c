@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define ROWS 8  /* input rows per pass over a column block: 8 accumulators (measured as fast as 16) */
 /* bytes ahead of the weight stream to prefetch, one line a step (a block's packed weights are contiguous and the next
@@ -15,6 +16,16 @@
  * at 1-2 rows, 1.6x at 8, 1.4x at 16; 512 and 2048 bytes ahead were no better */
 #define PREFETCH 1024
 #define KEYS 4  /* attention: keys scored side by side (each key's sum still in one order) */
+
+/* A column block's results for MB rows: + bias (float32, or none), rounded to bf16 once, its live columns stored */
+static inline __attribute__((always_inline)) void store_block_bf16(const __m512 *acc, int MB, const float *b,
+                                                                   uint16_t *y, int N, int n0) {
+    __mmask16 live = N - n0 >= 16 ? 0xffff : (1u << (N - n0)) - 1;
+    for (int m = 0; m < MB; m++) {
+        __m512 r = b ? _mm512_add_ps(acc[m], _mm512_maskz_loadu_ps(live, b + n0)) : acc[m];
+        _mm256_mask_storeu_epi16(y + (long)m * N + n0, live, (__m256i)_mm512_cvtneps_pbh(r));
+    }
+}
 
 /* Weights are packed once (cpu_kernels.py pack) as [ceil(N/16), K/2, 16, 2]: block nb, pair kp holds, for its 16
  * output columns, the weights of inputs 2kp and 2kp+1, so one 64-byte load feeds vdpbf16ps against a broadcast pair of
@@ -34,38 +45,34 @@
                 acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));                           \
             }                                                                                                      \
         }                                                                                                          \
-        __mmask16 live = N - n0 >= 16 ? 0xffff : (1u << (N - n0)) - 1;                                             \
-        for (int m = 0; m < MB; m++) {                                                                             \
-            __m512 r = b ? _mm512_add_ps(acc[m], _mm512_maskz_loadu_ps(live, b + n0)) : acc[m];                    \
-            _mm256_mask_storeu_epi16(y + (long)m * N + n0, live, (__m256i)_mm512_cvtneps_pbh(r));                  \
-        }                                                                                                          \
+        store_block_bf16(acc, MB, b, y, N, n0);                                                                    \
     }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
 
-/* The product over column blocks (split across threads) and passes of up to ROWS input rows, with PREFIX##_1 ..
- * PREFIX##_8 the kernels for 1 .. 8 rows; p: [ceil(N/16), K * 16] weights packed by cpu_kernels.py; b float32 or
- * NULL. Every output is its column's products summed in k order, then the bias: a row's result does not depend on M
- * or the thread count. */
+/* One pass of up to ROWS input rows: PREFIX##_1 .. PREFIX##_8, the kernels for 1 .. 8 rows, on the same arguments */
+#define ROW_PASS(PREFIX, rows, ...)                                                                                \
+    switch (rows) {                                                                                                \
+    case 1: PREFIX##_1(__VA_ARGS__); break;                                                                        \
+    case 2: PREFIX##_2(__VA_ARGS__); break;                                                                        \
+    case 3: PREFIX##_3(__VA_ARGS__); break;                                                                        \
+    case 4: PREFIX##_4(__VA_ARGS__); break;                                                                        \
+    case 5: PREFIX##_5(__VA_ARGS__); break;                                                                        \
+    case 6: PREFIX##_6(__VA_ARGS__); break;                                                                        \
+    case 7: PREFIX##_7(__VA_ARGS__); break;                                                                        \
+    default: PREFIX##_8(__VA_ARGS__);                                                                              \
+    }
+
+/* The product over column blocks (split across threads) and passes of up to ROWS input rows; p: [ceil(N/16), K * 16]
+ * weights packed by cpu_kernels.py; b float32 or NULL. Every output is its column's products summed in k order, then
+ * the bias: a row's result does not depend on M or the thread count. */
 #define GEMV(NAME, TYPE, PREFIX)                                                                                   \
     void NAME(const TYPE *x, const TYPE *p, const float *b, TYPE *y, long M, long N, long K, int threads) {        \
         int blocks = (N + 15) / 16;                                                                                \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
         for (int nb = 0; nb < blocks; nb++) {                                                                      \
             const TYPE *pb = p + (long)nb * 16 * K;                                                                \
-            for (long m = 0; m < M; m += ROWS) {                                                                   \
-                const TYPE *xm = x + m * K;                                                                        \
-                TYPE *ym = y + m * N;                                                                              \
-                switch (M - m < ROWS ? M - m : ROWS) {                                                             \
-                case 1: PREFIX##_1(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                case 2: PREFIX##_2(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                case 3: PREFIX##_3(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                case 4: PREFIX##_4(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                case 5: PREFIX##_5(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                case 6: PREFIX##_6(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                case 7: PREFIX##_7(xm, pb, b, ym, N, K, nb * 16); break;                                           \
-                default: PREFIX##_8(xm, pb, b, ym, N, K, nb * 16);                                                 \
-                }                                                                                                  \
-            }                                                                                                      \
+            for (long m = 0; m < M; m += ROWS)                                                                     \
+                ROW_PASS(PREFIX, M - m < ROWS ? M - m : ROWS, x + m * K, pb, b, y + m * N, N, K, nb * 16)          \
         }                                                                                                          \
     }
 
@@ -262,6 +269,165 @@ static inline __m512 scores_f32(const float *q, const float *kh, long r0, long u
 ATTEND(attend_bf16, uint16_t, scores_bf16, weighted_values_bf16)
 ATTEND(attend_f32, float, scores_f32, weighted_values_f32)
 
+/* r[j] <- column j of the 16 x 16 dword tile whose rows are r[0..15] (unpack 32-bit, unpack 64-bit, then 128-bit
+ * lanes: 64 shuffles) */
+static inline void transpose16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {  /* b[g + c]: rows g..g+3's dword 4L + c in each 128-bit lane L */
+        b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+        b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+        b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+        b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i u = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), v = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        __m512i u2 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd), v2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(u, v, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(u, v, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(u2, v2, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(u2, v2, 0xdd);
+    }
+}
+
+#define KTILES 2  /* 16-key tiles scored side by side: independent chains hide vdpbf16ps's latency */
+
+/* softmax of one row's S scores in place (keys in lanes: unseen keys -> 0, summed 16 keys side by side, then
+ * across lanes); returns 1 / the total */
+static inline float softmax_row(float *x, long S, float top) {
+    __m512 total = _mm512_setzero_ps();
+    for (long s = 0; s < S; s += 16) {
+        __mmask16 m = S - s >= 16 ? 0xffff : (__mmask16)((1u << (S - s)) - 1);
+        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + s);
+        __mmask16 seen = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(v, _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(x + s, m, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+/* A block's scores with keys in the lanes: 16 keys' pairs transposed, so one vdpbf16ps against a row's broadcast
+ * query pair scores 16 keys; scaled and masked into sc[row * RS + key], each row's max into top[row]. */
+static inline void scores_rows_bf16(const uint16_t *q, const uint16_t *kh, long r0, long used, long G, long Hq,
+                                    long kvh, long D, long S, long start, const __mmask16 *sees_new, float scale,
+                                    float *sc, float *top, long RS) {
+    const uint32_t *qrow[16];  /* the block's rows' query pairs */
+    __m512 best[16];
+    for (long l = 0; l < used; l++) {
+        long r = r0 + l, t = r / G, h = kvh * G + r % G;
+        qrow[l] = (const uint32_t *)(q + (t * Hq + h) * D);
+        best[l] = _mm512_set1_ps(-INFINITY);
+    }
+    __m512i kt[KTILES][128];  /* [tile][pair]: 16 keys' values of that pair */
+    for (long s0 = 0; s0 < S; s0 += 16 * KTILES) {
+        for (long g = 0; g < KTILES; g++)
+            for (long c = 0; c < D / 32; c++) {
+                __m512i *r = kt[g] + c * 16;
+                for (long j = 0; j < 16; j++) {
+                    long s = s0 + g * 16 + j;
+                    r[j] = s < S ? _mm512_loadu_si512(kh + s * D + c * 32) : _mm512_setzero_si512();
+                }
+                transpose16(r);
+            }
+        __m512 acc[KTILES][16];
+        for (long g = 0; g < KTILES; g++)
+            for (long l = 0; l < used; l++) acc[g][l] = _mm512_setzero_ps();
+        for (long dp = 0; dp < D / 2; dp++)
+            for (long l = 0; l < used; l++) {
+                __m512bh b = (__m512bh)_mm512_set1_epi32(qrow[l][dp]);
+                for (long g = 0; g < KTILES; g++) acc[g][l] = _mm512_dpbf16_ps(acc[g][l], (__m512bh)kt[g][dp], b);
+            }
+        for (long g = 0; g < KTILES; g++) {
+            long k0 = s0 + g * 16;
+            if (k0 >= S) break;
+            __mmask16 live = S - k0 >= 16 ? 0xffff : (__mmask16)((1u << (S - k0)) - 1);
+            for (long l = 0; l < used; l++) {
+                __mmask16 seen = live;
+                for (long j = 0; j < 16; j++)  /* new slots: the rows the mask lets see them */
+                    if (k0 + j >= start && k0 + j < S && !((sees_new[k0 + j - start] >> l) & 1)) seen &= ~(1u << j);
+                __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
+                                                _mm512_mul_ps(acc[g][l], _mm512_set1_ps(scale)));
+                _mm512_mask_storeu_ps(sc + l * RS + k0, live, x);
+                best[l] = _mm512_mask_max_ps(best[l], live, best[l], x);
+            }
+        }
+    }
+    for (long l = 0; l < used; l++) top[l] = _mm512_reduce_max_ps(best[l]);
+}
+
+
+/* ---- the quantized self-drafter's attention: its values need not be AR's, so keys are split for balance ----
+ * Per KV head, block of 16 rows and chunk of SPLIT_KEYS keys (3 KV heads on 2 threads left one idle a third of the
+ * time): scores with keys in the lanes (scores_rows_bf16), then each row's max, sum of exp and unnormalised values
+ * over its chunk, merged across chunks by their maxima (log-sum-exp). Same arguments as attend_bf16; scratch unused. */
+#define SPLIT_KEYS 256
+/* o[d] = sum over keys s < n (in order) of p[s] v[s][d], float32 */
+static inline __attribute__((always_inline)) void values_row(const float *p, const uint16_t *vh, long n, float *o,
+                                                             const long D) {
+    __m512 acc[16];  /* [D / 16] */
+    for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+    for (long s = 0; s < n; s++) {
+        if (p[s] == 0.0f) continue;
+        for (long d = 0; d < D / 16; d++)
+            acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(p[s]), load_bf16x16(vh + s * D + d * 16), acc[d]);
+    }
+    for (long d = 0; d < D / 16; d++) _mm512_storeu_ps(o + d * 16, acc[d]);
+}
+void attend_split_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask,
+                       uint16_t *out, long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,
+                       int threads) {
+    (void)scratch;
+    long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
+    long chunks = (S + SPLIT_KEYS - 1) / SPLIT_KEYS, items = Hkv * blocks * chunks, per = 16 * D + 32;
+    float *part = (float *)malloc(items * per * sizeof(float));  /* per item: o [16][D], max [16], sum [16] */
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long item = 0; item < items; item++) {
+        long c = item % chunks, blk = (item / chunks) % blocks, kvh = item / (chunks * blocks);
+        long r0 = blk * 16, used = rows - r0 < 16 ? rows - r0 : 16, lo = c * SPLIT_KEYS;
+        long n = S - lo < SPLIT_KEYS ? S - lo : SPLIT_KEYS;
+        const uint16_t *kh = k + kvh * cap * D + lo * D, *vh = v + kvh * cap * D + lo * D;
+        float sc[16 * SPLIT_KEYS], top[16], *o = part + item * per, *mx = o + 16 * D, *sum = mx + 16;
+        __mmask16 sees_new[T];
+        lanes_seeing_new(mask, T, G, r0, used, sees_new);
+        scores_rows_bf16(q, kh, r0, used, G, Hq, kvh, D, n, start - lo, sees_new, scale, sc, top, SPLIT_KEYS);
+        for (long l = 0; l < used; l++) {
+            mx[l] = top[l];
+            sum[l] = top[l] == -INFINITY ? 0.0f : 1.0f / softmax_row(sc + l * SPLIT_KEYS, n, top[l]);
+            long m = sum[l] == 0.0f ? 0 : n;
+            if (D == 64) values_row(sc + l * SPLIT_KEYS, vh, m, o + l * D, 64); /* constant D: registers */
+            else if (D == 128) values_row(sc + l * SPLIT_KEYS, vh, m, o + l * D, 128);
+            else values_row(sc + l * SPLIT_KEYS, vh, m, o + l * D, D);
+        }
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long rb = 0; rb < Hkv * blocks; rb++) {
+        long kvh = rb / blocks, r0 = (rb % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
+        for (long l = 0; l < used; l++) {
+            const float *base = part + rb * chunks * per;
+            float m = -INFINITY, total = 0.0f;
+            for (long c = 0; c < chunks; c++) m = fmaxf(m, base[c * per + 16 * D + l]);
+            __m512 acc[16];
+            for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+            for (long c = 0; c < chunks; c++) {
+                const float *pc = base + c * per;
+                if (pc[16 * D + 16 + l] == 0.0f) continue;
+                float w = expf(pc[16 * D + l] - m);
+                total += w * pc[16 * D + 16 + l];
+                for (long d = 0; d < D / 16; d++)
+                    acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + l * D + d * 16), acc[d]);
+            }
+            long r = r0 + l, t = r / G, h = kvh * G + r % G;
+            for (long d = 0; d < D / 16; d++)
+                store_bf16x16(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.0f / total)));
+        }
+    }
+    free(part);
+}
+
 /* ---- whole decoder layers (Llama family: RMSNorm, fused QKV, rotate-half RoPE, GQA attention, SiLU-gated MLP) ----
  * Each elementwise step rounds where the torch ops of decoder.py do (bf16: a float32 op, rounded to bf16 once; float32:
  * each op's float32 result), so the results are those of the torch path but for the norm's sum of squares (fused
@@ -282,6 +448,81 @@ static inline __m512 round16(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_
 static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline void store16_f32(float *p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
 static inline __m512 round16_f32(__m512 v) { return v; }  /* float32 ops round to float32 by themselves */
+
+/* 4- and 8-bit weights (the quantized self-drafter's), w[n][k] = d * q + m with q in 0 .. 2^BITS - 1, d and m per
+ * column and group of QG inputs: per column block of 16 and group, QG * 2 * BITS code bytes, then the block's 16
+ * float32 d and 16 m' = m - OFFSET(BITS) d. A 32-byte code chunk covers 16 / BITS inputs of the block: 4 bits, pairs
+ * 2c and 2c + 1 of the group, byte j's low nibble element j of pair 2c and its high nibble element j of pair 2c + 1;
+ * 8 bits, pair c, byte j element j's code. Element j is column j / 2's input j % 2 (gemv_bf16's order). A nibble
+ * becomes a bf16 by its bits alone: 0x4300 | n is 128 + n and 0x4500 | n is 2048 + 16 n (exact), so a group's sum of
+ * (OFFSET + q) x is exact products (vdpbf16ps) summed in float32, and acc += d * that + m' * (the group's sum of x)
+ * gives d * sum(q x) + m * sum(x). (A table lookup per nibble, vpermw, was 1.03-1.3x slower on smollm2's shapes.) */
+#define QG 32
+#define QBYTES(BITS) (QG * 2 * (BITS) + 2 * 16 * 4)
+#define BLOCKQ(BITS, MB)                                                                                           \
+    static inline __attribute__((always_inline)) void blockq##BITS##_##MB(const uint16_t *x, const uint8_t *pb,    \
+                                                                         const float *xs, const float *b,          \
+                                                                         uint16_t *y, int N, int K, int n0) {      \
+        const int inputs = 16 / (BITS); /* inputs a chunk covers */                                                  \
+        const __m512i low = _mm512_set1_epi16(0xf), lo_bits = _mm512_set1_epi16(0x4300);                          \
+        const __m512i hi_bits = _mm512_set1_epi16((BITS) == 4 ? 0x4300 : 0x4500);                                  \
+        int G = K / QG;                                                                                            \
+        __m512 acc[MB];                                                                                            \
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                 \
+        for (int g = 0; g < G; g++) {                                                                              \
+            const uint8_t *pg = pb + (long)g * QBYTES(BITS);                                                       \
+            __m512 part[MB];                                                                                       \
+            for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();                                            \
+            for (int c = 0; c < QG / inputs; c++) {                                                                \
+                _mm_prefetch((const char *)(pg + c * 32) + PREFETCH, _MM_HINT_T0);                                 \
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(pg + c * 32)));              \
+                __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, low), lo_bits);                        \
+                __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), hi_bits);                         \
+                long k0 = (long)g * QG + c * inputs;                                                               \
+                for (int m = 0; m < MB; m++) {                                                                     \
+                    int32_t p0, p1;                                                                                \
+                    __builtin_memcpy(&p0, x + (long)m * K + k0, 4);                                                \
+                    __builtin_memcpy(&p1, x + (long)m * K + k0 + inputs - 2, 4);                                   \
+                    part[m] = _mm512_dpbf16_ps(part[m], w0, (__m512bh)_mm512_set1_epi32(p0));                      \
+                    part[m] = _mm512_dpbf16_ps(part[m], w1, (__m512bh)_mm512_set1_epi32(p1));                      \
+                }                                                                                                  \
+            }                                                                                                      \
+            const float *dm = (const float *)(pg + QG * 2 * (BITS));                                               \
+            __m512 d = _mm512_loadu_ps(dm), mn = _mm512_loadu_ps(dm + 16);                                         \
+            for (int m = 0; m < MB; m++)                                                                           \
+                acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(long)m * G + g]),                                  \
+                                         _mm512_fmadd_ps(d, part[m], acc[m]));                                     \
+        }                                                                                                          \
+        store_block_bf16(acc, MB, b, y, N, n0);                                                                    \
+    }
+BLOCKQ(4, 1) BLOCKQ(4, 2) BLOCKQ(4, 3) BLOCKQ(4, 4) BLOCKQ(4, 5) BLOCKQ(4, 6) BLOCKQ(4, 7) BLOCKQ(4, 8)
+BLOCKQ(8, 1) BLOCKQ(8, 2) BLOCKQ(8, 3) BLOCKQ(8, 4) BLOCKQ(8, 5) BLOCKQ(8, 6) BLOCKQ(8, 7) BLOCKQ(8, 8)
+
+/* y[M, N] = x[M, K] W^T (+ b[N]) for BITS-bit W packed as above (K % QG == 0, p: the packed bytes), x and y bfloat16;
+ * float32 accumulation, each output's groups summed in order and rounded to bf16 once. xs, each row's sum over each
+ * group of its inputs, is computed here, ROWS rows a pass. */
+#define GEMVQ(BITS)                                                                                                \
+    void gemv_q##BITS(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K,   \
+                      int threads) {                                                                               \
+        int blocks = (N + 15) / 16, G = K / QG;                                                                    \
+        const uint8_t *q = (const uint8_t *)p;                                                                     \
+        for (long m0 = 0; m0 < M; m0 += ROWS) {                                                                    \
+            int rows = M - m0 < ROWS ? M - m0 : ROWS;                                                              \
+            float xs[ROWS * G];                                                                                    \
+            for (int m = 0; m < rows; m++)                                                                         \
+                for (int g = 0; g < G; g++) {                                                                      \
+                    __m512 s = _mm512_add_ps(load16(x + (m0 + m) * K + g * QG, 0xffff),                            \
+                                             load16(x + (m0 + m) * K + g * QG + 16, 0xffff));                      \
+                    xs[m * G + g] = _mm512_reduce_add_ps(s);                                                       \
+                }                                                                                                  \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")                                      \
+            for (int nb = 0; nb < blocks; nb++)                                                                    \
+                ROW_PASS(blockq##BITS, rows, x + m0 * K, q + (long)nb * G * QBYTES(BITS), xs, b, y + m0 * N, N, K, \
+                         nb * 16)                                                                                  \
+        }                                                                                                          \
+    }
+GEMVQ(4)
+GEMVQ(8)
 
 typedef struct {
     const void *ln1, *ln2;                 /* [H] norm weights, in the layers' type */
@@ -397,6 +638,8 @@ typedef struct {
     }
 LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_bf16)
 LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_f32)
+/* the quantized self-drafter's layers: bf16 activations and cache, 4-bit products */
+LAYERS(q4, uint16_t, load16, store16, round16, gemv_q4, attend_split_bf16)
 
 /* the largest of r's V values (-inf for none); *nan: whether r has a NaN (the max is then not meaningful). Dead lanes
  * of the last block load -inf and count no NaN. */

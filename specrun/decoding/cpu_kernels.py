@@ -74,17 +74,20 @@ class CpuKernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls; OpenMP resolves to torch's loaded runtime
         self._gemv = {torch.bfloat16: lib.gemv_bf16, torch.float32: lib.gemv_f32}
-        for f in self._gemv.values():
+        self._gemv_q = {4: lib.gemv_q4, 8: lib.gemv_q8}
+        for f in (*self._gemv.values(), *self._gemv_q.values()):
             f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
             f.restype = None
         self._attend = {torch.bfloat16: lib.attend_bf16, torch.float32: lib.attend_f32}
-        for f in self._attend.values():
+        self._attend_split = lib.attend_split_bf16  # the quantized self-drafter's (decode_layers_q4)
+        for f in (*self._attend.values(), self._attend_split):
             f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
                           + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
             f.restype = None
         # called by cpu_layers.CpuLayers, which owns their arguments
         self.decode_layers = {torch.bfloat16: lib.decode_layers_bf16, torch.float32: lib.decode_layers_f32}
-        for f in self.decode_layers.values():
+        self.decode_layers_q4 = lib.decode_layers_q4  # bf16 activations over quant.py's 4-bit weights
+        for f in (*self.decode_layers.values(), self.decode_layers_q4):
             f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 6
                           + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
                           + [ctypes.c_void_p] * 3 + [ctypes.c_int])
@@ -141,6 +144,21 @@ class CpuKernels:
                             K, torch.get_num_threads())
         return y
 
+    def gemv_quant(self, x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, b: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """x W^T (+ b) in bf16 for the 4- or 8-bit W (quant.py) of n rows; float32 accumulation, rounded to bf16 once.
+
+        # x: [M, K] bf16, packed: quantize(W [n, K], bits)[0], b: [n] float32 or None -> [M, n] bf16
+        """
+        x = x.contiguous()
+        M, K = x.shape
+        assert x.dtype == torch.bfloat16 and packed.dtype == torch.uint8 \
+            and packed.shape == (-(-n // 16), K // 32, 64 * bits + 128), (packed.shape, n, K, bits)
+        assert b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.numel() == n), "bias: float32 [n]"
+        y = torch.empty((M, n), dtype=torch.bfloat16)
+        self._gemv_q[bits](x.data_ptr(), packed.data_ptr(), ptr(b), y.data_ptr(), M, n, K, torch.get_num_threads())
+        return y
+
     @staticmethod
     def attend_scratch(T: int, Hq: int, Hkv: int, start: int) -> torch.Tensor:
         """attend's float32 scores for T rows after `start` slots: 16 rows (lanes) a block per KV head."""
@@ -153,8 +171,9 @@ class CpuKernels:
         return head_dim % 32 == 0 and head_dim <= 256 and n_q % n_kv == 0
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
-        """Rows of q attend the slots [0, start) of k/v and the new slots [start, start + T) under mask.
+               scale: float, split: bool = False) -> torch.Tensor:
+        """Rows of q attend the slots [0, start) of k/v and the new slots [start, start + T) under mask; split (bf16):
+        the self-drafter's attention, keys in chunks merged by log-sum-exp (equal to the plain one up to rounding).
 
         # q: [T, Hq, D] bf16 or float32, k/v: [Hkv, cap, D] same dtype (one layer of the cache), mask: [T, T] bool or
         # None (T == 1) -> [T, Hq, D] q's dtype
@@ -167,8 +186,10 @@ class CpuKernels:
         mask = None if mask is None else mask.contiguous()
         out = torch.empty_like(q)
         scores = self.attend_scratch(T, Hq, Hkv, start)
-        self._attend[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, None if mask is None else mask.data_ptr(),
-                     out.data_ptr(), T, Hq, Hkv, D, start, scale, scores.data_ptr(), torch.get_num_threads())
+        assert not split or q.dtype == torch.bfloat16
+        fn = self._attend_split if split else self._attend[q.dtype]
+        fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), cap, ptr(mask), out.data_ptr(), T, Hq, Hkv, D, start, scale,
+           scores.data_ptr(), torch.get_num_threads())
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ computed alone, and each sequence attends its own page, so every row gets its so
 
 CpuLayers.of(decoder, kernels) -> None where the layers are not the plain Llama shape it computes (qk-norm, another
 activation or norm, weights not packed in the activations' dtype); decoder.py keeps its torch path then.
+CpuLayers.quantized(decoder, kernels): the same layers over 4-bit copies of the weights (quant.py; the self-drafter's).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from specrun.decoding.cpu_kernels import CpuKernels, ptr
 from specrun.decoding.kv_cache import KVCache
+from specrun.decoding.quant import quantizable, quantize
 
 _P = ctypes.c_void_p
 
@@ -50,10 +52,15 @@ def _plain_rms_norm(norm, dtype: torch.dtype) -> bool:
         and getattr(norm, "weight", None) is not None and norm.weight.dtype == dtype
 
 
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
 class CpuLayers:
-    def __init__(self, dec, kernels: CpuKernels):
+    def __init__(self, dec, kernels: CpuKernels, quantized: bool = False):
         self.kernels = kernels
-        self.dtype = dec.embed.weight.dtype
+        self.dtype = torch.bfloat16 if quantized else dec.embed.weight.dtype
+        self.run_layers = kernels.decode_layers_q4 if quantized else kernels.decode_layers[self.dtype]
+        self.q4: list[torch.Tensor] = []  # the 4-bit packs the pointers point into (kept alive here)
         L0 = dec.layers[0]
         self.H, self.I = L0.ln1.weight.shape[0], dec.inter
         self.Hq, self.Hkv, self.D = dec.n_q, dec.n_kv, dec.head_dim
@@ -61,9 +68,11 @@ class CpuLayers:
         self.ptrs = (_LayerPtrs * len(dec.layers))()
         for p, L in zip(self.ptrs, dec.layers):
             p.ln1, p.ln2 = L.ln1.weight.data_ptr(), L.ln2.weight.data_ptr()
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in _LINEARS:
                 lin = getattr(L, name)
-                setattr(p, name, lin._own.data_ptr())
+                if quantized:
+                    self.q4.append(quantize(lin.weight, 4)[0])
+                setattr(p, name, self.q4[-1].data_ptr() if quantized else lin._own.data_ptr())
                 setattr(p, "b_" + name, ptr(lin._bias32))
 
     @classmethod
@@ -84,6 +93,16 @@ class CpuLayers:
         if not CpuKernels.attends(dec.head_dim, dec.n_q, dec.n_kv):
             return None
         return cls(dec, kernels)
+
+    @classmethod
+    def quantized(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
+        """dec's layers over 4-bit copies of its weights, bf16 activations, as CpuLayers.of computes them otherwise;
+        None where the kernels do not take the model (see of) or a weight's inputs are not in groups of 32."""
+        plain = cls.of(dec, kernels)
+        if plain is None or plain.dtype != torch.bfloat16 or not all(
+                quantizable(getattr(L, name).weight) for L in dec.layers for name in _LINEARS):
+            return None
+        return cls(dec, kernels, quantized=True)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
                  new_mask: torch.Tensor | None, queries: list | None = None) -> torch.Tensor:
@@ -131,8 +150,7 @@ class CpuLayers:
         most = max(s.T for s in seqs)
         scores = CpuKernels.attend_scratch(most, Hq, Hkv, keys - most)
         arr = (_Seq * len(seqs))(*seqs)
-        self.kernels.decode_layers[dt](ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D,
-                                       ctypes.addressof(arr), len(seqs), cos.data_ptr(), sin.data_ptr(), self.eps,
-                                       self.scale, work.data_ptr(), scores.data_ptr(), ptr(kept),
-                                       torch.get_num_threads())
+        self.run_layers(ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D,
+                        ctypes.addressof(arr), len(seqs), cos.data_ptr(), sin.data_ptr(), self.eps, self.scale,
+                        work.data_ptr(), scores.data_ptr(), ptr(kept), torch.get_num_threads())
         return x, kept

@@ -14,14 +14,17 @@ from specrun.decoding.ngram import NGramPool, SuffixCopy
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.trie import Draft, DraftContext
 
-DRAFTER_NAMES = ("heads", "fused", "recurrent", "ngram", "recycling")  # drafting order: a head's guess keys n-grams
-# trie budget order: the recurrent drafter's best-first tree leads (it imitates AR's own pick, sampled text included),
-# then n-grams (exact repeats)
-MERGE_PRIORITY = ("recurrent", "ngram", "heads", "fused", "recycling")
+# drafting order: a head's guess keys the n-grams
+DRAFTER_NAMES = ("quant", "heads", "fused", "recurrent", "ngram", "recycling")
+# trie budget order: the 4-bit self-draft leads (AR's own picks under near-identical weights), then the recurrent
+# drafter's best-first tree (it imitates AR's own pick, sampled text included), then n-grams (exact repeats)
+MERGE_PRIORITY = ("quant", "recurrent", "ngram", "heads", "fused", "recycling")
 NEEDS_HEADS = ("heads", "fused")
 NEEDS_DRAFTER = ("recurrent",)  # a trained recurrent drafter (specrun train-drafter, or the one shipped for the model)
-NOISE_COUPLED = ("recurrent",)  # draft with AR's own Gumbel noise (accepted beyond their drafted probability mass)
-AUTO_DRAFTERS = ("heads", "recurrent", "ngram", "recycling")  # --draft auto: those that need weights only with them
+NEEDS_QUANT = ("quant",)  # a solo engine's CPU bf16 model our 4-bit kernels take (quant_draft.py)
+DRAFTS_BY_FORWARD = ("heads", "quant")  # drafting is a forward of the model: no shadow tries (shadow.py)
+NOISE_COUPLED = ("quant", "recurrent")  # draft with AR's own Gumbel noise (accepted beyond their drafted mass)
+AUTO_DRAFTERS = ("quant", "heads", "recurrent", "ngram", "recycling")  # --draft auto: those that need more where it is
 COPY_NODES = 64  # the n-gram drafter's copied chain fills at most this many trie nodes (root included)
 
 

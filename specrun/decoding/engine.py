@@ -14,11 +14,13 @@ import torch
 from specrun.decoding.attention import check_backend
 from specrun.decoding.budget import BudgetTuner
 from specrun.decoding.drafters import (
-    AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_DRAFTER, NEEDS_HEADS, NOISE_COUPLED, Drafter, NGramDrafter, RecyclingDrafter,
-    Verified,
+    AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_DRAFTER, NEEDS_HEADS, NEEDS_QUANT, NOISE_COUPLED, Drafter,
+    NGramDrafter, RecyclingDrafter, Verified,
 )
+from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
+from specrun.decoding.quant_draft import QuantDrafter, quantized
 from specrun.decoding.recurrent import DraftWeights, RecurrentDrafter
 from specrun.decoding.recurrent_files import builtin_drafter, load_drafter
 from specrun.decoding.recycling import RecyclingMatrix
@@ -67,11 +69,15 @@ class EngineConfig:
         check_backend(self.attention)
         TreeTemplate(self.tree)  # validates the tree spec
 
-    def active_drafters(self, have_heads: bool, have_drafter: bool = False) -> tuple[str, ...]:
+    def active_drafters(self, have_heads: bool, have_drafter: bool = False, can_quantize: bool = False
+                        ) -> tuple[str, ...]:
         if self.drafters is None:
             return tuple(n for n in AUTO_DRAFTERS if (have_heads or n not in NEEDS_HEADS)
-                         and (have_drafter or n not in NEEDS_DRAFTER))
+                         and (have_drafter or n not in NEEDS_DRAFTER) and (can_quantize or n not in NEEDS_QUANT))
         for name in self.drafters:
+            if name in NEEDS_QUANT and not can_quantize:
+                raise ValueError(f"drafter {name!r} runs the model's 4-bit copy on our CPU kernels: it needs a "
+                                 f"bfloat16 model on a CPU with AVX-512 BF16 and one sequence at a time per worker")
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
             if name in NEEDS_DRAFTER and not have_drafter:
@@ -91,12 +97,16 @@ class EngineConfig:
         return DraftWeights(load_drafter(path, lm), model.get_input_embeddings(), model.get_output_embeddings())
 
 
-def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None
+def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: bool = True
                      ) -> tuple[DraftHeads | None, DraftWeights | None, tuple[str, ...]]:
-    """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path."""
+    """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path.
+    solo: a solo engine (the 4-bit self-draft runs there alone, over its one KV cache)."""
     heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
     recurrent = config.recurrent_weights(lm)
-    return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None)
+    wanted = config.drafters is None or set(NEEDS_QUANT) & set(config.drafters)
+    can_quantize = solo and bool(wanted) and config.attention == "sdpa" \
+        and quantized(FusedDecoder.of(lm.model)) is not None
+    return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
 
 
 def make_drafter(name: str, config: EngineConfig, heads: DraftHeads | None, lm_head, recycling: RecyclingMatrix | None,
@@ -127,14 +137,20 @@ class Engine:
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafters: list[Drafter] = [
+            QuantDrafter(self.runner, quantized(self.runner.decoder)) if n == "quant" else
             make_drafter(n, config, heads, self.runner.lm_head, self.recycling,
                          lambda kv: SelfDrafter(self.runner, heads, config.tree, kv), self.recurrent) for n in names]
         self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)
+        ngram = next((d for d in self.drafters if isinstance(d, NGramDrafter)), None)
+        for d in self.drafters:
+            if isinstance(d, QuantDrafter) and ngram is not None and ngram.topk:
+                d.copy = ngram.copy  # where the copy drafts, it leads
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)
-        self.tuner = BudgetTuner(config.trie_budget) if self.drafters and config.adaptive_budget else None
+        self.tuner = BudgetTuner(config.trie_budget, narrow_bounds="quant" not in names) \
+            if self.drafters and config.adaptive_budget else None
         self._shadowing = self.tuner is not None and shadowable(names)
         self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
 
@@ -228,7 +244,14 @@ class Engine:
         return hidden, self.runner.logits(hidden)
 
     def _drafts(self, ctx: DraftContext) -> list[Draft]:
-        proposals = [drafter.propose(ctx, i) for i, drafter in enumerate(self.drafters)]
+        """Every drafter's proposals in merge order; a drafter is not asked once those merged before it hold the
+        budget (the 4-bit self-draft's chain fills a width-4 trie: n-gram and recycling drafts would be dropped)."""
+        proposals: list[list[Draft] | None] = [None] * len(self.drafters)
+        for i, drafter in enumerate(self.drafters):  # drafting order: a head's guess keys the n-grams after it
+            ahead = self._merge_order[: self._merge_order.index(i)]
+            full = all(proposals[j] is not None for j in ahead) and \
+                sum(len(d.tokens) - 1 for j in ahead for d in proposals[j]) >= ctx.budget - 1
+            proposals[i] = [] if full else drafter.propose(ctx, i)
         return [d for i in self._merge_order for d in proposals[i]]
 
     def _update_drafters(self, verified: Verified, emitted: list[int]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specrun.decoding.drafters import NEEDS_HEADS
+from specrun.decoding.drafters import DRAFTS_BY_FORWARD
 from specrun.decoding.trie import Trie, walk
 
 SHADOW_EVERY = 16  # steps between shadow tries of one sequence (a full n-gram + recycling draft: ~0.4 ms)
@@ -20,8 +20,8 @@ SHADOW_SOON_PATH = 2
 
 
 def shadowable(drafters: tuple[str, ...]) -> bool:
-    """Shadows need drafts that cost no forward of the model: not for heads, whose drafting is a forward of its own."""
-    return bool(drafters) and not any(n in NEEDS_HEADS for n in drafters)
+    """Shadows need drafts that cost no forward of the model: not for heads or the 4-bit self-draft."""
+    return bool(drafters) and not any(n in DRAFTS_BY_FORWARD for n in drafters)
 
 
 class Shadow:

@@ -1,0 +1,95 @@
+"""The quantized self-drafter: the target itself, its weights in 4 bits (quant.py), drafts a chain of AR's own choices
+(its sampling rules, penalty and Gumbel noise at each position) over the target's KV cache, one token a forward.
+
+Its drafted tokens' K/V go in the slots after the committed ones, where the verify forward then writes its own: the
+draft reads the target's exact K/V of every committed token and keeps no cache (verification decides, I1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specrun.decoding.cpu_kernels import cpu_kernels
+from specrun.decoding.cpu_layers import CpuLayers
+from specrun.decoding.ngram import SuffixCopy
+from specrun.decoding.quant import quantizable, quantize
+from specrun.decoding.runner import ModelRunner
+from specrun.decoding.sampling import SamplingParams, choose, kernel_sampling, process_logits, sample, sample_in_kernel
+from specrun.decoding.trie import Draft, DraftContext
+
+# the LM head in 8 bits: GGUF models keep it finer than their layers' 4 (smollm2's Q4_1 file does), and in 4 bits
+# its logits moved AR's sampled token: 2.77 tokens a width-4 step against 3.68 with 8 bits (bf16: 3.61). (Finding
+# min-p's candidates with the 4-bit head and scoring them with the model's rows in torch saved nothing: 0.3-0.5 ms of
+# small ops for ~60-170 candidates against the 8-bit head's 0.4 ms more.)
+HEAD_BITS = 8
+MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner picks the width below this)
+
+
+def quantized(decoder) -> tuple[CpuLayers, torch.Tensor] | None:
+    """The 4-bit layers and 8-bit LM head (quantize's packs) of a FusedDecoder, built once per decoder, where the
+    quantized self-drafter runs (a CPU bf16 model our kernels take, its LM head's inputs in groups of 32); else None."""
+    if not hasattr(decoder, "_specrun_q4"):
+        head = decoder.lm_head.weight  # [V, H]
+        layers = None
+        if head.device.type == "cpu" and quantizable(head):
+            layers = CpuLayers.quantized(decoder, cpu_kernels())
+        decoder._specrun_q4 = None if layers is None else (layers, quantize(head, HEAD_BITS)[0])
+    return decoder._specrun_q4
+
+
+def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams, position: int) -> int:
+    """AR's token from these logits at `position`: Sequence.choose's rules for one row (penalty on counts > 0).
+
+    # logits: [1, V] float32, counts: [V] int32 or None
+    """
+    positions = torch.tensor([position])
+    if kernel_sampling(params, logits):
+        done = sample_in_kernel(logits, counts, None, params, positions)
+        if done is not None:
+            return int(done[0][0])
+    processed = process_logits(logits, None if counts is None else (counts > 0)[None], params)
+    return int((choose(processed, None) if params.greedy else sample(processed, params.seed, positions))[0])
+
+
+class QuantDrafter:
+    name = "quant"
+
+    def __init__(self, runner: ModelRunner, weights: tuple[CpuLayers, torch.Tensor]):
+        self.runner = runner
+        self.layers, self.head = weights
+        self.vocab = runner.decoder.lm_head.weight.shape[0]
+        self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
+
+    def start(self, seq: list[int]) -> None:
+        pass
+
+    def observe(self, v) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        """The root and up to budget - 1 (at most MAX_CHAIN) tokens after it, each AR's pick under the 4-bit model;
+        the penalty window is the committed one plus the drafted tokens (a token leaving it is not tracked)."""
+        k = min(ctx.budget - 1, MAX_CHAIN)
+        dec, cache, params = self.runner.decoder, self.runner.cache, ctx.params
+        if k < 1 or (params.greedy and self.copy is not None and self.copy.follow(1)):
+            # greedy, and the last 3 tokens occurred before: the n-gram copy drafts the whole width at no forward's
+            # cost (smollm2, 2,048 tokens: 3.45x AR so, 1.39x with this chain leading). Sampled text rarely repeats
+            # what its 3-gram matches say, and steps that skip the chain made wide widths look cheap to the tuner
+            return []
+        counts = None if ctx.present is None or not params.uses_penalty else ctx.present.to(torch.int32)
+        tokens = [ctx.root]
+        for i in range(k):
+            position = ctx.position + i
+            x = dec.embed(torch.tensor([tokens[-1]]))  # [1, H]
+            cos, sin = dec.rotary(x[None], torch.tensor([[position]]))  # [1, 1, D] each
+            h = dec.norm(self.layers(x, cos[0], sin[0], cache, cache.length + i, None))  # [1, H]
+            logits = self.layers.kernels.gemv_quant(h, self.head, self.vocab, HEAD_BITS).float()  # [1, V]
+            token = pick(logits, counts, params, position + 1)
+            tokens.append(token)
+            if counts is not None:
+                counts[token] += 1
+        return [Draft(tokens, list(range(-1, k)), source)]

@@ -1,0 +1,163 @@
+"""The quantized self-drafter (quant.py, quant_draft.py): 4- and 8-bit products against float64, its layers against
+the model's own over the same weights, AR's tokens drafted, and an output that is always AR's (I1)."""
+
+import pytest
+import torch
+
+from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+from specrun.decoding.cpu_kernels import cpu_kernels
+from specrun.decoding.decoder import FusedDecoder
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.quant import quantize
+from specrun.decoding.quant_draft import HEAD_BITS, QuantDrafter, quantized
+from specrun.decoding.runner import ModelRunner
+from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.trie import DraftContext
+from specrun.models.loader import load_model
+from specrun.models.tiny import build_tiny_model
+
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
+SAMPLED = SamplingParams(max_tokens=120, temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=32, seed=3,
+                         ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=120, ignore_eos=True)
+PROMPT = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # head size 32 (the kernels' attention), hidden 128: every product's inputs come in groups of 32
+    return build_tiny_model(tmp_path_factory.mktemp("quant") / "llama", hidden=128, heads=4, kv_heads=2, layers=3,
+                            seed=5, initializer_range=0.3)
+
+
+def _on_grid(lm):
+    """The model's weights moved onto the drafter's grids (4-bit layers, 8-bit LM head), as a GGUF model's are: the
+    drafter's copy is then the model itself but for rounding, and drafts what AR picks."""
+    for layer in lm.model.model.layers:
+        for m in (*layer.self_attn.children(), *layer.mlp.children()):
+            if isinstance(m, torch.nn.Linear):
+                m.weight.data.copy_(quantize(m.weight.data, 4)[1])
+    head = lm.model.get_output_embeddings().weight
+    head.data.copy_(quantize(head.data, HEAD_BITS)[1])
+    return lm
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n", [37, 160])
+def test_quantize_and_the_product_agree_with_float64(bits, n):
+    gen = torch.Generator().manual_seed(bits + n)
+    w = torch.randn((n, 96), generator=gen) * 0.1
+    packed, deq = quantize(w, bits)
+    step = (w.view(n, 3, 32).amax(-1) - w.view(n, 3, 32).amin(-1)) / (2 ** bits - 1)  # per group
+    assert ((deq - w).abs().view(n, 3, 32) <= step[..., None] / 2 * (1 + 1e-5) + 1e-7).all()  # round to nearest
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels here")
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 3, 8, 11):  # one pass, a partial pass, a full one, two passes
+        x = torch.randn((rows, 96), generator=gen).bfloat16()
+        ref = x.double() @ deq.double().T
+        for b in (None, bias):
+            y = kernels.gemv_quant(x, packed, n, bits, b).double()
+            want = ref if b is None else ref + b.double()
+            assert ((y - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()  # bf16's one rounding
+        alone = torch.cat([kernels.gemv_quant(x[i : i + 1], packed, n, bits) for i in range(rows)])
+        assert torch.equal(alone, kernels.gemv_quant(x, packed, n, bits))  # a row does not depend on the others
+
+
+def test_quantize_recovers_weights_already_on_its_grid():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (20, 64), generator=gen).float()
+    q[:, 0::32], q[:, 1::32] = 0, 15  # each group spans the whole grid, as a quantizer's own output does
+    d = torch.rand((20, 2, 1), generator=gen) * 0.01 + 1e-3
+    m = torch.randn((20, 2, 1), generator=gen) * 0.1
+    w = (q.view(20, 2, 32) * d + m).view(20, 64)
+    assert torch.allclose(quantize(w, 4)[1], w, rtol=0, atol=1e-6)
+
+
+@needs_kernels
+def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model_dir):
+    """Weights on the grid: the 4-bit layers' hidden states are the bf16 layers' but for rounding (their sums run
+    in another order), over the same cache."""
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
+    runner = ModelRunner(lm, max_rows=16)
+    runner.reset(64)
+    runner.prefill(torch.tensor(PROMPT), 8)
+    dec = runner.decoder
+    layers, _ = quantized(dec)
+    tok, pos = torch.tensor([65]), torch.tensor([len(PROMPT)])
+    ref = runner.forward(tok, pos, torch.ones((1, 1), dtype=torch.bool)).float()
+    x = dec.embed(tok)
+    cos, sin = dec.rotary(x[None], pos[None])
+    ours = dec.norm(layers(x, cos[0], sin[0], runner.cache, runner.cache.length, None)).float()
+    assert (ours - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafting_with_the_4bit_copy_changes_nothing_and_is_accepted(model_dir, params):
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
+    assert isinstance(engine.drafters[0], QuantDrafter)
+    result = engine.generate(PROMPT, params)
+    assert result.token_ids == ar
+    # three drafted tokens a step, nearly all AR's own (a miss is a near tie that rounding turned)
+    assert result.stats["mean_accepted"] > 3.5, result.stats
+
+
+@needs_kernels
+def test_an_off_grid_model_still_gets_its_own_output(model_dir):
+    """Random bf16 weights, far from any 4-bit grid: drafts miss more, the output is AR's all the same; the adaptive
+    width and the other drafters beside it (auto) change nothing either."""
+    lm = load_model(str(model_dir), dtype="bfloat16")
+    for params in (GREEDY, SAMPLED):
+        ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
+        auto = Engine(lm, EngineConfig())
+        assert "quant" in [d.name for d in auto.drafters]
+        assert auto.generate(PROMPT, params).token_ids == ar
+
+
+@needs_kernels
+def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model_dir):
+    lm32 = load_model(str(model_dir), dtype="float32")
+    assert "quant" not in [d.name for d in Engine(lm32, EngineConfig()).drafters]
+    with pytest.raises(ValueError, match="bfloat16 model"):
+        Engine(lm32, EngineConfig(drafters=("quant",)))
+    lm = load_model(str(model_dir), dtype="bfloat16")
+    assert quantized(FusedDecoder.of(lm.model)) is not None
+    assert "quant" not in BatchEngine(lm, EngineConfig(), BatchConfig(concurrency=2)).names  # one cache per engine
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        BatchEngine(lm, EngineConfig(drafters=("quant",)), BatchConfig(concurrency=2))
+
+
+@needs_kernels
+@pytest.mark.parametrize("start", [0, 17, 255, 256, 700])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_the_drafters_split_attention_is_the_plain_one_up_to_rounding(start, T):
+    """decode_layers_q4 attends with keys in 256-key chunks merged by log-sum-exp (the draft's values need not be AR's,
+    only close): the same rows as attend_bf16 to bf16 rounding, masks and chunk edges included."""
+    gen = torch.Generator().manual_seed(start * 10 + T)
+    Hq, Hkv, D, cap = 6, 2, 64, start + T + 5
+    k, v = (torch.randn((Hkv, cap, D), generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn((T, Hq, D), generator=gen).bfloat16()
+    mask = None if T == 1 else (torch.rand((T, T), generator=gen) > 0.5) | torch.eye(T, dtype=torch.bool)
+    plain = cpu_kernels().attend(q, k, v, start, mask, 0.3).float()
+    split = cpu_kernels().attend(q, k, v, start, mask, 0.3, split=True).float()
+    assert (split - plain).abs().max() <= 0.01 * plain.abs().max()
+
+
+@needs_kernels
+def test_a_repeated_passage_is_left_to_the_ngram_copy(model_dir):
+    """Where the last 3 tokens occurred before, the n-gram copy drafts the whole width for free: no 4-bit forward."""
+    lm = load_model(str(model_dir), dtype="bfloat16")
+    engine = Engine(lm, EngineConfig(drafters=("quant", "ngram")))
+    quant, ngram = engine.drafters
+    assert quant.copy is ngram.copy
+    looped = PROMPT + PROMPT[:3]
+    ngram.start(looped)
+    engine.runner.reset(64)
+    engine.runner.prefill(torch.tensor(looped[:-1]), 8)
+    assert quant.propose(DraftContext(looped[-1], len(looped) - 1, budget=4, params=GREEDY), 0) == []
+    ngram.start(PROMPT)
+    assert len(quant.propose(DraftContext(PROMPT[-1], len(PROMPT) - 1, budget=4, params=GREEDY), 0)[0].tokens) == 4
