@@ -363,7 +363,8 @@ static inline void scores_rows_bf16(const uint16_t *q, const uint16_t *kh, long 
 /* ---- the quantized self-drafter's attention: its values need not be AR's, so keys are split for balance ----
  * Per KV head, block of 16 rows and chunk of SPLIT_KEYS keys (3 KV heads on 2 threads left one idle a third of the
  * time): scores with keys in the lanes (scores_rows_bf16), then each row's max, sum of exp and unnormalised values
- * over its chunk, merged across chunks by their maxima (log-sum-exp). Same arguments as attend_bf16; scratch unused. */
+ * over its chunk, merged across chunks by their maxima (log-sum-exp). Same arguments as attend_bf16 (its scratch
+ * serves only if the chunks' buffer cannot be allocated: then the plain attention runs). */
 #define SPLIT_KEYS 256
 /* o[d] = sum over keys s < n (in order) of p[s] v[s][d], float32 */
 static inline __attribute__((always_inline)) void values_row(const float *p, const uint16_t *vh, long n, float *o,
@@ -380,10 +381,13 @@ static inline __attribute__((always_inline)) void values_row(const float *p, con
 void attend_split_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask,
                        uint16_t *out, long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,
                        int threads) {
-    (void)scratch;
     long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
     long chunks = (S + SPLIT_KEYS - 1) / SPLIT_KEYS, items = Hkv * blocks * chunks, per = 16 * D + 32;
     float *part = (float *)malloc(items * per * sizeof(float));  /* per item: o [16][D], max [16], sum [16] */
+    if (part == NULL) {  /* the plain attention needs no more memory than its scratch */
+        attend_bf16(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads);
+        return;
+    }
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (long item = 0; item < items; item++) {
         long c = item % chunks, blk = (item / chunks) % blocks, kvh = item / (chunks * blocks);

@@ -78,9 +78,13 @@ class CpuLayers:
     @classmethod
     def of(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """The one-call layers of FusedDecoder dec, or None where they would not compute what its torch path does."""
+        return cls(dec, kernels) if cls._takes(dec, kernels) else None
+
+    @staticmethod
+    def _takes(dec, kernels: CpuKernels | None) -> bool:
         dtype = dec.embed.weight.dtype  # the activations' (HF's rotary follows x's)
         if kernels is None or not dec.layers or dtype not in kernels.decode_layers:
-            return None
+            return False
         first = dec.layers[0]
         for L in dec.layers:  # one scale and eps for all (passed once), SiLU, plain norms, packed weights
             if L.q_norm is not None or type(L.act).__name__ not in ("SiLUActivation", "SiLU") \
@@ -89,17 +93,14 @@ class CpuLayers:
                            for lin in (L.qkv, L.o, L.gate_up, L.down)) \
                     or L.scaling != first.scaling \
                     or not L.ln1.variance_epsilon == L.ln2.variance_epsilon == first.ln1.variance_epsilon:
-                return None
-        if not CpuKernels.attends(dec.head_dim, dec.n_q, dec.n_kv):
-            return None
-        return cls(dec, kernels)
+                return False
+        return CpuKernels.attends(dec.head_dim, dec.n_q, dec.n_kv)
 
     @classmethod
     def quantized(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """dec's layers over 4-bit copies of its weights, bf16 activations, as CpuLayers.of computes them otherwise;
         None where the kernels do not take the model (see of) or a weight's inputs are not in groups of 32."""
-        plain = cls.of(dec, kernels)
-        if plain is None or plain.dtype != torch.bfloat16 or not all(
+        if not cls._takes(dec, kernels) or dec.embed.weight.dtype != torch.bfloat16 or not all(
                 quantizable(getattr(L, name).weight) for L in dec.layers for name in _LINEARS):
             return None
         return cls(dec, kernels, quantized=True)

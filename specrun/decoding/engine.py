@@ -30,7 +30,7 @@ from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
 from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.shadow import Shadow, shadowable
-from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, record_sampled, walk
+from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, merge_drafts, record_sampled, walk
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -250,7 +250,7 @@ class Engine:
         for i, drafter in enumerate(self.drafters):  # drafting order: a head's guess keys the n-grams after it
             ahead = self._merge_order[: self._merge_order.index(i)]
             full = all(proposals[j] is not None for j in ahead) and \
-                sum(len(d.tokens) - 1 for j in ahead for d in proposals[j]) >= ctx.budget - 1
+                len(merge_drafts(ctx.root, [d for j in ahead for d in proposals[j]], ctx.budget)[0]) >= ctx.budget
             proposals[i] = [] if full else drafter.propose(ctx, i)
         return [d for i in self._merge_order for d in proposals[i]]
 

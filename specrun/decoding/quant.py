@@ -24,7 +24,7 @@ def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
         raise ValueError(f"quantize packs 4 or 8 bits, not {bits}")
     N, K = weight.shape
     if K % GROUP:
-        raise ValueError(f"4-bit packing needs inputs in groups of {GROUP}, got {K}")
+        raise ValueError(f"quantized packing needs inputs in groups of {GROUP}, got {K}")
     blocks, G = -(-N // 16), K // GROUP
     w = weight.new_zeros((blocks * 16, K), dtype=torch.float32)
     w[:N] = weight.float()

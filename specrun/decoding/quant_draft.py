@@ -14,7 +14,7 @@ from specrun.decoding.cpu_layers import CpuLayers
 from specrun.decoding.ngram import SuffixCopy
 from specrun.decoding.quant import quantizable, quantize
 from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams, choose, kernel_sampling, process_logits, sample, sample_in_kernel
+from specrun.decoding.sampling import SamplingParams, ar_choice
 from specrun.decoding.trie import Draft, DraftContext
 
 # the LM head in 8 bits: GGUF models keep it finer than their layers' 4 (smollm2's Q4_1 file does), and in 4 bits
@@ -38,17 +38,13 @@ def quantized(decoder) -> tuple[CpuLayers, torch.Tensor] | None:
 
 
 def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams, position: int) -> int:
-    """AR's token from these logits at `position`: Sequence.choose's rules for one row (penalty on counts > 0).
+    """AR's token from these logits at `position`, the penalty on the tokens counted (counts > 0).
 
     # logits: [1, V] float32, counts: [V] int32 or None
     """
-    positions = torch.tensor([position])
-    if kernel_sampling(params, logits):
-        done = sample_in_kernel(logits, counts, None, params, positions)
-        if done is not None:
-            return int(done[0][0])
-    processed = process_logits(logits, None if counts is None else (counts > 0)[None], params)
-    return int((choose(processed, None) if params.greedy else sample(processed, params.seed, positions))[0])
+    choice, _ = ar_choice(logits, params, torch.tensor([position]), lambda: (counts, None),
+                          lambda: None if counts is None else (counts > 0)[None])
+    return int(choice[0])
 
 
 class QuantDrafter:

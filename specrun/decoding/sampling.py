@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -221,6 +221,20 @@ def kernel_sampling(p: SamplingParams, logits: torch.Tensor) -> bool:
     top-p or eta; CPU float32 rows where our kernels load."""
     return not p.greedy and p.min_p > 0.0 and not p.top_k and p.top_p == 1.0 and p.eta == 0.0 \
         and row_kernels(logits) is not None
+
+
+def ar_choice(logits: torch.Tensor, p: SamplingParams, positions: torch.Tensor,
+              kernel_inputs: Callable[[], tuple[torch.Tensor | None, Patches | None]],
+              presence: Callable[[], torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """AR's token for each row of logits at its position, and the processed rows: our kernel where it takes them
+    (kernel_inputs() -> its counts and patches), else process_logits with presence() then argmax or Gumbel-max.
+    The inputs are callables: each path builds only its own. # logits: [T, V], positions: [T] long -> [T], [T, V]"""
+    if kernel_sampling(p, logits):
+        done = sample_in_kernel(logits, *kernel_inputs(), p, positions)
+        if done is not None:
+            return done
+    processed = process_logits(logits, presence(), p)
+    return (choose(processed, None) if p.greedy else sample(processed, p.seed, positions)), processed
 
 
 def sample_in_kernel(logits: torch.Tensor, counts: torch.Tensor | None, patches: Patches | None, p: SamplingParams,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from specrun.decoding.penalty import PenaltyWindow
-from specrun.decoding.sampling import SamplingParams, choose, kernel_sampling, process_logits, sample, sample_in_kernel
+from specrun.decoding.sampling import SamplingParams, ar_choice
 from specrun.decoding.stops import StopMatcher
 from specrun.decoding.trie import DraftContext, Trie
 
@@ -64,17 +64,10 @@ class Sequence:
         """The target's token after every node, exactly as AR would pick it there. -> [T] long, processed [T, V]"""
         # the token after a depth-d node is generated token len(out)+d at absolute position n+d
         positions = trie.depths + self.n
-        if kernel_sampling(self.params, logits):
-            w = self.window
-            counts, patches = (w.counts, w.patches(self.seq, self.n, trie)) if w is not None else (None, None)
-            done = sample_in_kernel(logits, counts, patches, self.params, positions)
-            if done is not None:
-                return done
-        present = self.window.presence(self.seq, self.n, trie) if self.window is not None else None
-        processed = process_logits(logits, present, self.params)
-        if self.params.greedy:
-            return choose(processed, None), processed
-        return sample(processed, self.params.seed, positions), processed
+        w = self.window
+        return ar_choice(logits, self.params, positions,
+                         lambda: (w.counts, w.patches(self.seq, self.n, trie)) if w is not None else (None, None),
+                         lambda: w.presence(self.seq, self.n, trie) if w is not None else None)
 
     def stop_rules(self, tokens: list[int]) -> list[int]:
         """The accepted tokens AR would have emitted: cut after max_tokens, or the first that ends the generation."""

@@ -113,7 +113,8 @@ def test_kernel_takes_only_the_settings_it_computes():
 @needs_kernels
 def test_sequence_falls_back_to_torch_on_a_nan_row(monkeypatch):
     tried = []
-    monkeypatch.setattr("specrun.decoding.sequence.sample_in_kernel", lambda *a: tried.append(1) or sample_in_kernel(*a))
+    monkeypatch.setattr("specrun.decoding.sampling.sample_in_kernel",
+                        lambda *a: tried.append(1) or sample_in_kernel(*a))
     p = SamplingParams(max_tokens=8, **LONG_TEXT)
     st = Sequence([1, 2, 3], p, [], vocab_size=50, eos_ids=(), tokenizer=None, max_context=64, spare=4,
                   device=torch.device("cpu"))
@@ -138,11 +139,11 @@ def test_speculative_generation_through_the_kernel_equals_ar_and_the_torch_path(
         calls.append(args[0].shape[0])
         return real(*args)
 
-    monkeypatch.setattr("specrun.decoding.sequence.sample_in_kernel", counted)
+    monkeypatch.setattr("specrun.decoding.sampling.sample_in_kernel", counted)
     spec_config = EngineConfig(drafters=("ngram", "recycling"), trie_budget=16, adaptive_budget=False)
     spec = Engine(lm, spec_config).generate(prompt, p).token_ids
     ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, p).token_ids
     assert calls and max(calls) > 1  # tries of several nodes went through the kernel, and AR's single rows
-    monkeypatch.setattr("specrun.decoding.sequence.kernel_sampling", lambda *a: False)
+    monkeypatch.setattr("specrun.decoding.sampling.kernel_sampling", lambda *a: False)
     torch_spec = Engine(lm, spec_config).generate(prompt, p).token_ids
     assert spec == ar == torch_spec and len(spec) == 120

@@ -43,19 +43,20 @@ def _on_grid(lm):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n", [37, 160])
-def test_quantize_and_the_product_agree_with_float64(bits, n):
+@pytest.mark.parametrize("n,k", [(37, 96), (160, 96), (17, 576)])
+def test_quantize_and_the_product_agree_with_float64(bits, n, k):
     gen = torch.Generator().manual_seed(bits + n)
-    w = torch.randn((n, 96), generator=gen) * 0.1
+    w = torch.randn((n, k), generator=gen) * 0.1
     packed, deq = quantize(w, bits)
-    step = (w.view(n, 3, 32).amax(-1) - w.view(n, 3, 32).amin(-1)) / (2 ** bits - 1)  # per group
-    assert ((deq - w).abs().view(n, 3, 32) <= step[..., None] / 2 * (1 + 1e-5) + 1e-7).all()  # round to nearest
+    groups = w.view(n, k // 32, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / (2 ** bits - 1)
+    assert ((deq - w).abs().view(n, k // 32, 32) <= step[..., None] / 2 * (1 + 1e-5) + 1e-7).all()  # to nearest
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no CPU kernels here")
     bias = torch.randn(n, generator=gen)
     for rows in (1, 3, 8, 11):  # one pass, a partial pass, a full one, two passes
-        x = torch.randn((rows, 96), generator=gen).bfloat16()
+        x = torch.randn((rows, k), generator=gen).bfloat16()
         ref = x.double() @ deq.double().T
         for b in (None, bias):
             y = kernels.gemv_quant(x, packed, n, bits, b).double()
@@ -133,12 +134,13 @@ def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model
 
 @needs_kernels
 @pytest.mark.parametrize("start", [0, 17, 255, 256, 700])
-@pytest.mark.parametrize("T", [1, 3, 8])
-def test_the_drafters_split_attention_is_the_plain_one_up_to_rounding(start, T):
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (4, 4, 32), (16, 2, 128)])
+def test_the_drafters_split_attention_is_the_plain_one_up_to_rounding(start, T, Hq, Hkv, D):
     """decode_layers_q4 attends with keys in 256-key chunks merged by log-sum-exp (the draft's values need not be AR's,
-    only close): the same rows as attend_bf16 to bf16 rounding, masks and chunk edges included."""
+    only close): the same rows as attend_bf16 to bf16 rounding, masks, chunk edges and 16-row blocks included."""
     gen = torch.Generator().manual_seed(start * 10 + T)
-    Hq, Hkv, D, cap = 6, 2, 64, start + T + 5
+    cap = start + T
     k, v = (torch.randn((Hkv, cap, D), generator=gen).bfloat16() for _ in range(2))
     q = torch.randn((T, Hq, D), generator=gen).bfloat16()
     mask = None if T == 1 else (torch.rand((T, T), generator=gen) > 0.5) | torch.eye(T, dtype=torch.bool)
