@@ -24,7 +24,7 @@ NEEDS_DRAFTER = ("recurrent",)  # a trained recurrent drafter (specrun train-dra
 NEEDS_QUANT = ("quant",)  # a solo engine's CPU bf16 model our 4-bit kernels take (quant_draft.py)
 DRAFTS_BY_FORWARD = ("heads", "quant")  # drafting is a forward of the model: no shadow tries (shadow.py)
 NOISE_COUPLED = ("quant", "recurrent")  # draft with AR's own Gumbel noise (accepted beyond their drafted mass)
-AUTO_DRAFTERS = ("quant", "heads", "recurrent", "ngram", "recycling")  # --draft auto: those that need more where it is
+AUTO_DRAFTERS = ("quant", "heads", "recurrent", "ngram", "recycling")  # --draft auto: each where what it needs is there
 COPY_NODES = 64  # the n-gram drafter's copied chain fills at most this many trie nodes (root included)
 
 

@@ -147,6 +147,7 @@ class Engine:
                 d.copy = ngram.copy  # where the copy drafts, it leads
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
+        self._ahead = [self._merge_order[: self._merge_order.index(i)] for i in range(len(names))]  # merged before i
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)
         self.tuner = BudgetTuner(config.trie_budget, narrow_bounds="quant" not in names) \
@@ -248,9 +249,11 @@ class Engine:
         budget (the 4-bit self-draft's chain fills a width-4 trie: n-gram and recycling drafts would be dropped)."""
         proposals: list[list[Draft] | None] = [None] * len(self.drafters)
         for i, drafter in enumerate(self.drafters):  # drafting order: a head's guess keys the n-grams after it
-            ahead = self._merge_order[: self._merge_order.index(i)]
-            full = all(proposals[j] is not None for j in ahead) and \
-                len(merge_drafts(ctx.root, [d for j in ahead for d in proposals[j]], ctx.budget)[0]) >= ctx.budget
+            ahead = [d for j in self._ahead[i] if proposals[j] is not None for d in proposals[j]]
+            # merged nodes are at most 1 + the drafted tokens: only a budget that many tokens could fill is merged
+            full = all(proposals[j] is not None for j in self._ahead[i]) \
+                and sum(len(d.tokens) - 1 for d in ahead) >= ctx.budget - 1 \
+                and len(merge_drafts(ctx.root, ahead, ctx.budget)[0]) >= ctx.budget
             proposals[i] = [] if full else drafter.propose(ctx, i)
         return [d for i in self._merge_order for d in proposals[i]]
 

@@ -78,13 +78,14 @@ class QuantDrafter:
             return []
         counts = None if ctx.present is None or not params.uses_penalty else ctx.present.to(torch.int32)
         tokens = [ctx.root]
+        x = dec.embed(torch.tensor([ctx.root]))  # [1, H]
+        cos, sin = dec.rotary(x[None], torch.arange(ctx.position, ctx.position + k)[None])  # [1, k, D] each
         for i in range(k):
-            position = ctx.position + i
-            x = dec.embed(torch.tensor([tokens[-1]]))  # [1, H]
-            cos, sin = dec.rotary(x[None], torch.tensor([[position]]))  # [1, 1, D] each
-            h = dec.norm(self.layers(x, cos[0], sin[0], cache, cache.length + i, None))  # [1, H]
+            if i:
+                x = dec.embed(torch.tensor([tokens[-1]]))
+            h = dec.norm(self.layers(x, cos[0, i : i + 1], sin[0, i : i + 1], cache, cache.length + i, None))  # [1, H]
             logits = self.layers.kernels.gemv_quant(h, self.head, self.vocab, HEAD_BITS).float()  # [1, V]
-            token = pick(logits, counts, params, position + 1)
+            token = pick(logits, counts, params, ctx.position + i + 1)
             tokens.append(token)
             if counts is not None:
                 counts[token] += 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specrun.decoding.cpu_kernels import cpu_flags
+from specrun.decoding.kernel_build import cpu_flags
 from specrun.models.cache import is_cached
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

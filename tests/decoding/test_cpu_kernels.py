@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import specrun.decoding.cpu_kernels as ck
+import specrun.decoding.kernel_build as kb
 from specrun.decoding.linear import Linear
 
 kernels = ck.cpu_kernels()
@@ -102,17 +103,17 @@ def test_switched_off_or_unbuildable_means_torch_path(monkeypatch, tmp_path):
 
 
 def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
-    if ck.shutil.which("cc") is None and ck.shutil.which("gcc") is None:
+    if kb.shutil.which("cc") is None and kb.shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     src = tmp_path / "k.c"
     src.write_text("int answer(void) { return 42; }\n")
-    monkeypatch.setattr(ck, "FLAGS", ("-O2", "-shared", "-fPIC"))
-    first = ck.build(src, tmp_path / "out")
+    monkeypatch.setattr(kb, "FLAGS", ("-O2", "-shared", "-fPIC"))
+    first = kb.build(src, tmp_path / "out")
     mtime = first.stat().st_mtime_ns
-    assert ck.build(src, tmp_path / "out") == first and first.stat().st_mtime_ns == mtime  # built once
+    assert kb.build(src, tmp_path / "out") == first and first.stat().st_mtime_ns == mtime  # built once
     assert [p.name for p in (tmp_path / "out").iterdir()] == [first.name]
     src.write_text("int answer(void) { return 43; }\n")
-    assert ck.build(src, tmp_path / "out") != first  # a changed source is a new library
+    assert kb.build(src, tmp_path / "out") != first  # a changed source is a new library
 
 
 def _attention_reference(q, k, v, start, mask, scale):
