@@ -293,6 +293,8 @@ static inline void transpose16(__m512i *r) {
     }
 }
 
+static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
+
 #define KTILES 2  /* 16-key tiles scored side by side: independent chains hide vdpbf16ps's latency */
 
 /* softmax of one row's S scores in place (keys in lanes: unseen keys -> 0, summed 16 keys side by side, then
@@ -363,20 +365,57 @@ static inline void scores_rows_bf16(const uint16_t *q, const uint16_t *kh, long 
 /* ---- the quantized self-drafter's attention: its values need not be AR's, so keys are split for balance ----
  * Per KV head, block of 16 rows and chunk of SPLIT_KEYS keys (3 KV heads on 2 threads left one idle a third of the
  * time): scores with keys in the lanes (scores_rows_bf16), then each row's max, sum of exp and unnormalised values
- * over its chunk, merged across chunks by their maxima (log-sum-exp). Same arguments as attend_bf16 (its scratch
+ * over its chunk (the probabilities rounded to bf16 for vdpbf16ps: 1.4x less time than float32 products at 2,048
+ * keys), merged across chunks by their maxima (log-sum-exp). Same arguments as attend_bf16 (its scratch
  * serves only if the chunks' buffer cannot be allocated: then the plain attention runs). */
 #define SPLIT_KEYS 256
-/* o[d] = sum over keys s < n (in order) of p[s] v[s][d], float32 */
-static inline __attribute__((always_inline)) void values_row(const float *p, const uint16_t *vh, long n, float *o,
-                                                             const long D) {
-    __m512 acc[16];  /* [D / 16] */
-    for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
-    for (long s = 0; s < n; s++) {
-        if (p[s] == 0.0f) continue;
-        for (long d = 0; d < D / 16; d++)
-            acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(p[s]), load_bf16x16(vh + s * D + d * 16), acc[d]);
+/* o[l][d] = sum over keys s < n of p[l][s] v[s][d] for rows l < used (float32 sums of bf16 products): keys in pairs,
+ * two value rows interleaved (unpack) against each row's broadcast pair of bf16 probabilities, one vdpbf16ps per 32
+ * products; a pair's values loaded once for RB rows. p: [used][RS] bf16 (zero past n), o: [used][D]. */
+#define VALUE_ROWS(RB)                                                                                               \
+    static inline __attribute__((always_inline)) void value_rows_##RB(const uint16_t *p, long RS, const uint16_t *vh, \
+                                                                      long n, float *o, const long D) {            \
+        __m512 acc[RB][16];                                                                                          \
+        for (long l = 0; l < RB; l++)                                                                                \
+            for (long c = 0; c < D / 16; c++) acc[l][c] = _mm512_setzero_ps();                                       \
+        for (long s = 0; s < n; s += 2) {                                                                            \
+            uint32_t pr[RB], any = 0;                                                                                \
+            for (long l = 0; l < RB; l++) {                                                                          \
+                __builtin_memcpy(pr + l, p + l * RS + s, 4);                                                         \
+                any |= pr[l];                                                                                        \
+            }                                                                                                        \
+            if (any == 0) continue; /* masked or underflowed keys */                                                 \
+            const uint16_t *v0 = vh + s * D, *v1 = s + 1 < n ? v0 + D : v0; /* a lone last key: p's pad is 0 */     \
+            for (long c = 0; c < D / 32; c++) {                                                                      \
+                __m512i a = _mm512_loadu_si512(v0 + c * 32), b = _mm512_loadu_si512(v1 + c * 32);                    \
+                __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);     \
+                for (long l = 0; l < RB; l++) {                                                                      \
+                    __m512bh w = (__m512bh)_mm512_set1_epi32(pr[l]);                                                 \
+                    acc[l][2 * c] = _mm512_dpbf16_ps(acc[l][2 * c], lo, w);                                          \
+                    acc[l][2 * c + 1] = _mm512_dpbf16_ps(acc[l][2 * c + 1], hi, w);                                  \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        /* unpack's order: lo's 128-bit lane L holds d = 8L + 0..3 of its 32, hi's d = 8L + 4..7 */                  \
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);           \
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);    \
+        for (long l = 0; l < RB; l++)                                                                                \
+            for (long c = 0; c < D / 32; c++) {                                                                      \
+                _mm512_storeu_ps(o + l * D + c * 32, _mm512_permutex2var_ps(acc[l][2 * c], first, acc[l][2 * c + 1])); \
+                _mm512_storeu_ps(o + l * D + c * 32 + 16,                                                            \
+                                 _mm512_permutex2var_ps(acc[l][2 * c], second, acc[l][2 * c + 1]));                  \
+            }                                                                                                        \
     }
-    for (long d = 0; d < D / 16; d++) _mm512_storeu_ps(o + d * 16, acc[d]);
+VALUE_ROWS(1) VALUE_ROWS(2) VALUE_ROWS(4)
+/* value_rows for `used` rows, as many a pass as the registers hold for D */
+static inline __attribute__((always_inline)) void value_rows(const uint16_t *p, long RS, const uint16_t *vh, long n,
+                                                             float *o, long used, const long D) {
+    long l = 0;
+    if (D <= 64)
+        for (; l + 4 <= used; l += 4) value_rows_4(p + l * RS, RS, vh, n, o + l * D, D);
+    if (D <= 128)
+        for (; l + 2 <= used; l += 2) value_rows_2(p + l * RS, RS, vh, n, o + l * D, D);
+    for (; l < used; l++) value_rows_1(p + l * RS, RS, vh, n, o + l * D, D);
 }
 void attend_split_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask,
                        uint16_t *out, long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,
@@ -395,17 +434,23 @@ void attend_split_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
         long n = S - lo < SPLIT_KEYS ? S - lo : SPLIT_KEYS;
         const uint16_t *kh = k + kvh * cap * D + lo * D, *vh = v + kvh * cap * D + lo * D;
         float sc[16 * SPLIT_KEYS], top[16], *o = part + item * per, *mx = o + 16 * D, *sum = mx + 16;
+        uint16_t pb[16 * (SPLIT_KEYS + 16)];  /* the rows' probabilities in bf16, zero past n */
         __mmask16 sees_new[T];
         lanes_seeing_new(mask, T, G, r0, used, sees_new);
         scores_rows_bf16(q, kh, r0, used, G, Hq, kvh, D, n, start - lo, sees_new, scale, sc, top, SPLIT_KEYS);
         for (long l = 0; l < used; l++) {
             mx[l] = top[l];
-            sum[l] = top[l] == -INFINITY ? 0.0f : 1.0f / softmax_row(sc + l * SPLIT_KEYS, n, top[l]);
-            long m = sum[l] == 0.0f ? 0 : n;
-            if (D == 64) values_row(sc + l * SPLIT_KEYS, vh, m, o + l * D, 64); /* constant D: registers */
-            else if (D == 128) values_row(sc + l * SPLIT_KEYS, vh, m, o + l * D, 128);
-            else values_row(sc + l * SPLIT_KEYS, vh, m, o + l * D, D);
+            float *x = sc + l * SPLIT_KEYS;
+            sum[l] = top[l] == -INFINITY ? 0.0f : 1.0f / softmax_row(x, n, top[l]);
+            for (long s = 0; s < n + 1; s += 16) {  /* a fully masked row's probabilities: all zero */
+                __mmask16 m = tail(n, s);
+                __m512 e = sum[l] == 0.0f ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, x + s);
+                _mm256_storeu_si256((__m256i *)(pb + l * (SPLIT_KEYS + 16) + s), (__m256i)_mm512_cvtneps_pbh(e));
+            }
         }
+        if (D == 64) value_rows(pb, SPLIT_KEYS + 16, vh, n, o, used, 64); /* constant D: registers */
+        else if (D == 128) value_rows(pb, SPLIT_KEYS + 16, vh, n, o, used, 128);
+        else value_rows(pb, SPLIT_KEYS + 16, vh, n, o, used, D);
     }
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (long rb = 0; rb < Hkv * blocks; rb++) {
@@ -439,7 +484,6 @@ void attend_split_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
  * float32 carries into later values (~3e-6 of a tiny model's largest hidden value). One body per storage type (LAYERS
  * below); bf16 as uint16. */
 
-static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
 
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
@@ -453,80 +497,74 @@ static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_mas
 static inline void store16_f32(float *p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
 static inline __m512 round16_f32(__m512 v) { return v; }  /* float32 ops round to float32 by themselves */
 
-/* 4- and 8-bit weights (the quantized self-drafter's), w[n][k] = d * q + m with q in 0 .. 2^BITS - 1, d and m per
- * column and group of QG inputs: per column block of 16 and group, QG * 2 * BITS code bytes, then the block's 16
- * float32 d and 16 m' = m - OFFSET(BITS) d. A 32-byte code chunk covers 16 / BITS inputs of the block: 4 bits, pairs
- * 2c and 2c + 1 of the group, byte j's low nibble element j of pair 2c and its high nibble element j of pair 2c + 1;
- * 8 bits, pair c, byte j element j's code. Element j is column j / 2's input j % 2 (gemv_bf16's order). A nibble
- * becomes a bf16 by its bits alone: 0x4300 | n is 128 + n and 0x4500 | n is 2048 + 16 n (exact), so a group's sum of
- * (OFFSET + q) x is exact products (vdpbf16ps) summed in float32, and acc += d * that + m' * (the group's sum of x)
- * gives d * sum(q x) + m * sum(x). (A table lookup per nibble, vpermw, was 1.03-1.3x slower on smollm2's shapes.) */
+/* 4-bit weights (the quantized self-drafter's), w[n][k] = d * q + m with q in 0 .. 15, d and m per column and group
+ * of QG inputs: per column block of 16 and group, 256 code bytes, then the block's 16 d and 16 m in float16 (GGUF's
+ * scales: 1 bit a weight more, where float32's 2 made the products read ~17% more bytes), m' = m - 128 d computed
+ * here. A 32-byte code chunk c covers 4 inputs of the block, pairs 2c and 2c + 1 of the group: byte j's low nibble is
+ * element j of pair 2c and its high nibble element j of pair 2c + 1. Element j is column j / 2's input j % 2
+ * (gemv_bf16's order). A nibble becomes a bf16 by its bits alone: 0x4300 | n is 128 + n (exact), so a group's sum of
+ * (128 + q) x is exact products (vdpbf16ps) summed in float32, and acc += d * that + m' * (the group's sum of x) gives
+ * d * sum(q x) + m * sum(x). (A table lookup per nibble, vpermw, was 1.03-1.3x slower on smollm2's shapes.) */
 #define QG 32
-#define QBYTES(BITS) (QG * 2 * (BITS) + 2 * 16 * 4)
-#define BLOCKQ(BITS, MB)                                                                                           \
-    static inline __attribute__((always_inline)) void blockq##BITS##_##MB(const uint16_t *x, const uint8_t *pb,    \
-                                                                         const float *xs, const float *b,          \
-                                                                         uint16_t *y, int N, int K, int n0) {      \
-        const int inputs = 16 / (BITS); /* inputs a chunk covers */                                                  \
-        const __m512i low = _mm512_set1_epi16(0xf), lo_bits = _mm512_set1_epi16(0x4300);                          \
-        const __m512i hi_bits = _mm512_set1_epi16((BITS) == 4 ? 0x4300 : 0x4500);                                  \
-        int G = K / QG;                                                                                            \
-        __m512 acc[MB];                                                                                            \
-        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                 \
-        for (int g = 0; g < G; g++) {                                                                              \
-            const uint8_t *pg = pb + (long)g * QBYTES(BITS);                                                       \
-            __m512 part[MB];                                                                                       \
-            for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();                                            \
-            for (int c = 0; c < QG / inputs; c++) {                                                                \
-                _mm_prefetch((const char *)(pg + c * 32) + PREFETCH, _MM_HINT_T0);                                 \
-                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(pg + c * 32)));              \
-                __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, low), lo_bits);                        \
-                __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), hi_bits);                         \
-                long k0 = (long)g * QG + c * inputs;                                                               \
-                for (int m = 0; m < MB; m++) {                                                                     \
-                    int32_t p0, p1;                                                                                \
-                    __builtin_memcpy(&p0, x + (long)m * K + k0, 4);                                                \
-                    __builtin_memcpy(&p1, x + (long)m * K + k0 + inputs - 2, 4);                                   \
-                    part[m] = _mm512_dpbf16_ps(part[m], w0, (__m512bh)_mm512_set1_epi32(p0));                      \
-                    part[m] = _mm512_dpbf16_ps(part[m], w1, (__m512bh)_mm512_set1_epi32(p1));                      \
-                }                                                                                                  \
-            }                                                                                                      \
-            const float *dm = (const float *)(pg + QG * 2 * (BITS));                                               \
-            __m512 d = _mm512_loadu_ps(dm), mn = _mm512_loadu_ps(dm + 16);                                         \
-            for (int m = 0; m < MB; m++)                                                                           \
-                acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(long)m * G + g]),                                  \
-                                         _mm512_fmadd_ps(d, part[m], acc[m]));                                     \
-        }                                                                                                          \
-        store_block_bf16(acc, MB, b, y, N, n0);                                                                    \
+#define QBYTES (QG * 8 + 2 * 16 * 2)
+#define BLOCKQ(MB)                                                                                                     \
+    static inline __attribute__((always_inline)) void blockq4_##MB(const uint16_t *x, const uint8_t *pb,               \
+                                                                         const float *xs, const float *b,              \
+                                                                         uint16_t *y, int N, int K, int n0) {          \
+        const __m512i low = _mm512_set1_epi16(0xf), bits = _mm512_set1_epi16(0x4300);                                  \
+        int G = K / QG;                                                                                                \
+        __m512 acc[MB];                                                                                                \
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                     \
+        for (int g = 0; g < G; g++) {                                                                                  \
+            const uint8_t *pg = pb + (long)g * QBYTES;                                                                 \
+            __m512 part[MB];                                                                                           \
+            for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();                                                \
+            for (int c = 0; c < QG / 4; c++) {                                                                         \
+                _mm_prefetch((const char *)(pg + c * 32) + PREFETCH, _MM_HINT_T0);                                     \
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(pg + c * 32)));                  \
+                __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, low), bits);                               \
+                __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bits);                                \
+                long k0 = (long)g * QG + c * 4;                                                                        \
+                for (int m = 0; m < MB; m++) {                                                                         \
+                    int32_t p0, p1;                                                                                    \
+                    __builtin_memcpy(&p0, x + (long)m * K + k0, 4);                                                    \
+                    __builtin_memcpy(&p1, x + (long)m * K + k0 + 2, 4);                                                \
+                    part[m] = _mm512_dpbf16_ps(part[m], w0, (__m512bh)_mm512_set1_epi32(p0));                          \
+                    part[m] = _mm512_dpbf16_ps(part[m], w1, (__m512bh)_mm512_set1_epi32(p1));                          \
+                }                                                                                                      \
+            }                                                                                                          \
+            const __m256i *dm = (const __m256i *)(pg + QG * 8);                                                        \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(dm));                                                        \
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(dm + 1));                                                   \
+            mn = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), mn);                                                      \
+            for (int m = 0; m < MB; m++)                                                                               \
+                acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(long)m * G + g]),                                      \
+                                         _mm512_fmadd_ps(d, part[m], acc[m]));                                         \
+        }                                                                                                              \
+        store_block_bf16(acc, MB, b, y, N, n0);                                                                        \
     }
-BLOCKQ(4, 1) BLOCKQ(4, 2) BLOCKQ(4, 3) BLOCKQ(4, 4) BLOCKQ(4, 5) BLOCKQ(4, 6) BLOCKQ(4, 7) BLOCKQ(4, 8)
-BLOCKQ(8, 1) BLOCKQ(8, 2) BLOCKQ(8, 3) BLOCKQ(8, 4) BLOCKQ(8, 5) BLOCKQ(8, 6) BLOCKQ(8, 7) BLOCKQ(8, 8)
+BLOCKQ(1) BLOCKQ(2) BLOCKQ(3) BLOCKQ(4) BLOCKQ(5) BLOCKQ(6) BLOCKQ(7) BLOCKQ(8)
 
-/* y[M, N] = x[M, K] W^T (+ b[N]) for BITS-bit W packed as above (K % QG == 0, p: the packed bytes), x and y bfloat16;
+/* y[M, N] = x[M, K] W^T (+ b[N]) for 4-bit W packed as above (K % QG == 0, p: the packed bytes), x and y bfloat16;
  * float32 accumulation, each output's groups summed in order and rounded to bf16 once. xs, each row's sum over each
  * group of its inputs, is computed here, ROWS rows a pass. */
-#define GEMVQ(BITS)                                                                                                \
-    void gemv_q##BITS(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K,   \
-                      int threads) {                                                                               \
-        int blocks = (N + 15) / 16, G = K / QG;                                                                    \
-        const uint8_t *q = (const uint8_t *)p;                                                                     \
-        for (long m0 = 0; m0 < M; m0 += ROWS) {                                                                    \
-            int rows = M - m0 < ROWS ? M - m0 : ROWS;                                                              \
-            float xs[ROWS * G];                                                                                    \
-            for (int m = 0; m < rows; m++)                                                                         \
-                for (int g = 0; g < G; g++) {                                                                      \
-                    __m512 s = _mm512_add_ps(load16(x + (m0 + m) * K + g * QG, 0xffff),                            \
-                                             load16(x + (m0 + m) * K + g * QG + 16, 0xffff));                      \
-                    xs[m * G + g] = _mm512_reduce_add_ps(s);                                                       \
-                }                                                                                                  \
-            _Pragma("omp parallel for schedule(static) num_threads(threads)")                                      \
-            for (int nb = 0; nb < blocks; nb++)                                                                    \
-                ROW_PASS(blockq##BITS, rows, x + m0 * K, q + (long)nb * G * QBYTES(BITS), xs, b, y + m0 * N, N, K, \
-                         nb * 16)                                                                                  \
-        }                                                                                                          \
+void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K, int threads) {
+    int blocks = (N + 15) / 16, G = K / QG;
+    const uint8_t *q = (const uint8_t *)p;
+    for (long m0 = 0; m0 < M; m0 += ROWS) {
+        int rows = M - m0 < ROWS ? M - m0 : ROWS;
+        float xs[ROWS * G];
+        for (int m = 0; m < rows; m++)
+            for (int g = 0; g < G; g++) {
+                __m512 s = _mm512_add_ps(load16(x + (m0 + m) * K + g * QG, 0xffff),
+                                         load16(x + (m0 + m) * K + g * QG + 16, 0xffff));
+                xs[m * G + g] = _mm512_reduce_add_ps(s);
+            }
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (int nb = 0; nb < blocks; nb++)
+            ROW_PASS(blockq4, rows, x + m0 * K, q + (long)nb * G * QBYTES, xs, b, y + m0 * N, N, K, nb * 16)
     }
-GEMVQ(4)
-GEMVQ(8)
+}
 
 typedef struct {
     const void *ln1, *ln2;                 /* [H] norm weights, in the layers' type */
@@ -644,6 +682,48 @@ LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_bf16)
 LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_f32)
 /* the quantized self-drafter's layers: bf16 activations and cache, 4-bit products */
 LAYERS(q4, uint16_t, load16, store16, round16, gemv_q4, attend_split_bf16)
+/* out[t] = the RMSNorm of x[t] (rms_norm_bf16): the self-drafter's final norm, one call where HF's module is ~10 */
+void rms_norm_rows_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, long T, long H, float eps) {
+    rms_norm_bf16(x, w, out, T, H, eps);
+}
+
+/* The self-drafter's logits from a coarse (4-bit) head's: out[v] = h . W[v] (bf16 products summed in float32, rounded
+ * to bf16 as the model's head rounds) for each v whose coarse logit is at least the best penalised coarse logit (the
+ * penalty theta on tokens with counts > 0: / theta above 0, * theta below; counts NULL: none) less `below`, -inf
+ * for the rest; returns how many were rescored. W: [V, H] bf16 rows, H % 32 == 0. Only tokens near the top can be drafted
+ * (min-p): their exact rows cost ~1% of an 8-bit head's 31 MB. */
+long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const uint16_t *h, const uint16_t *W, long H,
+                  float theta, float below, float *out) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    const __m512 up = _mm512_set1_ps(1.0f / theta), down = _mm512_set1_ps(theta);
+    for (long v = 0; v < V; v += 16) {
+        __mmask16 m = tail(V, v);
+        __m512 x = load16(coarse + v, m);
+        if (counts != NULL) {
+            __mmask16 present = _mm512_mask_cmpgt_epi32_mask(m, _mm512_maskz_loadu_epi32(m, counts + v),
+                                                             _mm512_setzero_si512());
+            __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+            x = _mm512_mask_mul_ps(x, present, x, _mm512_mask_blend_ps(pos, down, up));
+        }
+        top = _mm512_mask_max_ps(top, m, top, x);
+    }
+    float thr = _mm512_reduce_max_ps(top) - below;
+    long n = 0;
+    for (long v = 0; v < V; v += 16) {
+        __mmask16 m = tail(V, v);
+        __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(coarse + v, m), _mm512_set1_ps(thr), _CMP_GE_OQ);
+        _mm512_mask_storeu_ps(out + v, m, _mm512_set1_ps(-INFINITY));
+        for (; hit; hit &= hit - 1, n++) {
+            long r = v + __builtin_ctz(hit);
+            __m512 acc = _mm512_setzero_ps();
+            for (long i = 0; i < H; i += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(W + r * H + i),
+                                       (__m512bh)_mm512_loadu_si512(h + i));
+            out[r] = _mm512_cvtss_f32(round16(_mm512_set1_ps(_mm512_reduce_add_ps(acc))));
+        }
+    }
+    return n;
+}
 
 /* the largest of r's V values (-inf for none); *nan: whether r has a NaN (the max is then not meaningful). Dead lanes
  * of the last block load -inf and count no NaN. */

@@ -1,5 +1,5 @@
 """Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers, attention and whole decoder
-layers (and the quantized self-drafter's 4- and 8-bit products and layers), the argmax / top-k of float32 logits rows,
+layers (and the quantized self-drafter's 4-bit products and layers, its head's rescoring), the argmax / top-k of float32 logits rows,
 and sampled tokens (penalty, temperature, min-p, Gumbel-max), compiled once (kernel_build.py).
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
@@ -30,8 +30,8 @@ class CpuKernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls; OpenMP resolves to torch's loaded runtime
         self._gemv = {torch.bfloat16: lib.gemv_bf16, torch.float32: lib.gemv_f32}
-        self._gemv_q = {4: lib.gemv_q4, 8: lib.gemv_q8}
-        for f in (*self._gemv.values(), *self._gemv_q.values()):
+        self._gemv_q4 = lib.gemv_q4
+        for f in (*self._gemv.values(), self._gemv_q4):
             f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
             f.restype = None
         self._attend = {torch.bfloat16: lib.attend_bf16, torch.float32: lib.attend_f32}
@@ -40,6 +40,13 @@ class CpuKernels:
             f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
                           + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
             f.restype = None
+        self._rms_norm = lib.rms_norm_rows_bf16
+        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
+        self._rms_norm.restype = None
+        self._rescore = lib.rescore_bf16
+        self._rescore.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long]
+                                  + [ctypes.c_float] * 2 + [ctypes.c_void_p])
+        self._rescore.restype = ctypes.c_long
         # called by cpu_layers.CpuLayers, which owns their arguments
         self.decode_layers = {torch.bfloat16: lib.decode_layers_bf16, torch.float32: lib.decode_layers_f32}
         self.decode_layers_q4 = lib.decode_layers_q4  # bf16 activations over quant.py's 4-bit weights
@@ -100,19 +107,44 @@ class CpuKernels:
                             K, torch.get_num_threads())
         return y
 
-    def gemv_quant(self, x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, b: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """x W^T (+ b) in bf16 for the 4- or 8-bit W (quant.py) of n rows; float32 accumulation, rounded to bf16 once.
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's Llama RMSNorm of each row but for the sum of squares' order (decode_layers' norm). # x: [T, H] bf16,
+        weight: [H] bf16 -> [T, H] bf16"""
+        x = x.contiguous()
+        assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape == x.shape[1:]
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
 
-        # x: [M, K] bf16, packed: quantize(W [n, K], bits)[0], b: [n] float32 or None -> [M, n] bf16
+    def rescore(self, coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor,
+                theta: float, below: float) -> tuple[torch.Tensor, int]:
+        """h's bf16-rounded logits (h . rows[v]) for the tokens whose coarse logit is at least the best penalised one
+        (theta on the tokens counted) less `below`, -inf for the rest (rescore_bf16), and how many there are.
+
+        # coarse: [V] bf16, counts: [V] int32 or None, h: [H] bf16, rows: [V, H] bf16 -> [V] float32
+        """
+        coarse, h = coarse.contiguous(), h.contiguous()
+        (V,), (H,) = coarse.shape, h.shape
+        assert coarse.dtype == h.dtype == rows.dtype == torch.bfloat16 and rows.is_contiguous() \
+            and rows.shape == (V, H) and H % 32 == 0 and theta >= 1.0, (coarse.shape, h.shape, rows.shape, theta)
+        assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
+        out = torch.empty(V, dtype=torch.float32)
+        n = self._rescore(coarse.data_ptr(), V, ptr(counts), h.data_ptr(), rows.data_ptr(), H, theta, below,
+                          out.data_ptr())
+        return out, n
+
+    def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b) in bf16 for the 4-bit W (quant.py) of n rows; float32 accumulation, rounded to bf16 once.
+
+        # x: [M, K] bf16, packed: quantize(W [n, K])[0], b: [n] float32 or None -> [M, n] bf16
         """
         x = x.contiguous()
         M, K = x.shape
         assert x.dtype == torch.bfloat16 and packed.dtype == torch.uint8 \
-            and packed.shape == (-(-n // 16), K // 32, 64 * bits + 128), (packed.shape, n, K, bits)
+            and packed.shape == (-(-n // 16), K // 32, 320), (packed.shape, n, K)
         assert b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.numel() == n), "bias: float32 [n]"
         y = torch.empty((M, n), dtype=torch.bfloat16)
-        self._gemv_q[bits](x.data_ptr(), packed.data_ptr(), ptr(b), y.data_ptr(), M, n, K, torch.get_num_threads())
+        self._gemv_q4(x.data_ptr(), packed.data_ptr(), ptr(b), y.data_ptr(), M, n, K, torch.get_num_threads())
         return y
 
     @staticmethod

@@ -71,7 +71,7 @@ class CpuLayers:
             for name in _LINEARS:
                 lin = getattr(L, name)
                 if quantized:
-                    self.q4.append(quantize(lin.weight, 4)[0])
+                    self.q4.append(quantize(lin.weight)[0])
                 setattr(p, name, self.q4[-1].data_ptr() if quantized else lin._own.data_ptr())
                 setattr(p, "b_" + name, ptr(lin._bias32))
 
@@ -99,8 +99,10 @@ class CpuLayers:
     @classmethod
     def quantized(cls, dec, kernels: CpuKernels | None) -> CpuLayers | None:
         """dec's layers over 4-bit copies of its weights, bf16 activations, as CpuLayers.of computes them otherwise;
-        None where the kernels do not take the model (see of) or a weight's inputs are not in groups of 32."""
-        if not cls._takes(dec, kernels) or dec.embed.weight.dtype != torch.bfloat16 or not all(
+        None where the kernels do not take the model (see of), its final norm is not a plain RMSNorm (the drafter's
+        is kernels.rms_norm) or a weight's inputs are not in groups of 32."""
+        if not cls._takes(dec, kernels) or dec.embed.weight.dtype != torch.bfloat16 \
+                or not _plain_rms_norm(dec.norm, torch.bfloat16) or not all(
                 quantizable(getattr(L, name).weight) for L in dec.layers for name in _LINEARS):
             return None
         return cls(dec, kernels, quantized=True)

@@ -7,6 +7,8 @@ draft reads the target's exact K/V of every committed token and keeps no cache (
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specrun.decoding.cpu_kernels import cpu_kernels
@@ -17,23 +19,25 @@ from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams, ar_choice
 from specrun.decoding.trie import Draft, DraftContext
 
-# the LM head in 8 bits: GGUF models keep it finer than their layers' 4 (smollm2's Q4_1 file does), and in 4 bits
-# its logits moved AR's sampled token: 2.77 tokens a width-4 step against 3.68 with 8 bits (bf16: 3.61). (Finding
-# min-p's candidates with the 4-bit head and scoring them with the model's rows in torch saved nothing: 0.3-0.5 ms of
-# small ops for ~60-170 candidates against the 8-bit head's 0.4 ms more.)
-HEAD_BITS = 8
+# the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the
+# model's own bf16 rows score them (rescore_bf16): AR's head for what can be drafted, the 8-bit head's 0.87 ms a
+# draft down to 0.39 (smollm2). (The 4-bit head alone moved AR's sampled token: 2.77 tokens a width-4 step against 3.68
+# with an 8-bit head, 3.78 so.)
+HEAD_MARGIN = 3.5  # logits: twice the 4-bit head's largest error on smollm2's 200 best (1.75; median 1.2)
+GUMBEL_SPAN = 12.0  # no min-p: tokens this far (x temperature) below the best are drafted never (odds ~e^-12)
 MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner picks the width below this)
 
 
 def quantized(decoder) -> tuple[CpuLayers, torch.Tensor] | None:
-    """The 4-bit layers and 8-bit LM head (quantize's packs) of a FusedDecoder, built once per decoder, where the
-    quantized self-drafter runs (a CPU bf16 model our kernels take, its LM head's inputs in groups of 32); else None."""
+    """The 4-bit layers and LM head (quantize's packs) of a FusedDecoder, built once per decoder, where the quantized
+    self-drafter runs (a CPU bf16 model our kernels take, its LM head's inputs in groups of 32); else None."""
     if not hasattr(decoder, "_specrun_q4"):
         head = decoder.lm_head.weight  # [V, H]
         layers = None
-        if head.device.type == "cpu" and quantizable(head):
+        rows = head.device.type == "cpu" and head.dtype == torch.bfloat16 and head.is_contiguous()  # rescore's
+        if rows and quantizable(head):
             layers = CpuLayers.quantized(decoder, cpu_kernels())
-        decoder._specrun_q4 = None if layers is None else (layers, quantize(head, HEAD_BITS)[0])
+        decoder._specrun_q4 = None if layers is None else (layers, quantize(head)[0])
     return decoder._specrun_q4
 
 
@@ -53,7 +57,13 @@ class QuantDrafter:
     def __init__(self, runner: ModelRunner, weights: tuple[CpuLayers, torch.Tensor]):
         self.runner = runner
         self.layers, self.head = weights
-        self.vocab = runner.decoder.lm_head.weight.shape[0]
+        dec = runner.decoder
+        self.vocab = dec.lm_head.weight.shape[0]
+        # the embedding's rows as they are (a plain nn.Embedding), and the final norm in one kernel call: a draft's
+        # torch modules cost ~0.2 ms of its ~6
+        self.embed_rows = dec.embed.weight if type(dec.embed) is torch.nn.Embedding else None
+        self.norm_weight, self.norm_eps = dec.norm.weight, float(dec.norm.variance_epsilon)
+        self.rows = dec.lm_head.weight  # [V, H] bf16: rescore's
         self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
 
     def start(self, seq: list[int]) -> None:
@@ -77,16 +87,27 @@ class QuantDrafter:
             # what its 3-gram matches say, and steps that skip the chain made wide widths look cheap to the tuner
             return []
         counts = None if ctx.present is None or not params.uses_penalty else ctx.present.to(torch.int32)
-        tokens = [ctx.root]
-        x = dec.embed(torch.tensor([ctx.root]))  # [1, H]
+        tokens, kernels = [ctx.root], self.layers.kernels
+        theta = params.penalty if counts is not None else 1.0
+        below = HEAD_MARGIN + (0.0 if params.greedy else params.temperature * (
+            -math.log(params.min_p) if params.min_p > 0 else GUMBEL_SPAN))
+        x = self._embed(ctx.root)  # [1, H]
         cos, sin = dec.rotary(x[None], torch.arange(ctx.position, ctx.position + k)[None])  # [1, k, D] each
         for i in range(k):
             if i:
-                x = dec.embed(torch.tensor([tokens[-1]]))
-            h = dec.norm(self.layers(x, cos[0, i : i + 1], sin[0, i : i + 1], cache, cache.length + i, None))  # [1, H]
-            logits = self.layers.kernels.gemv_quant(h, self.head, self.vocab, HEAD_BITS).float()  # [1, V]
-            token = pick(logits, counts, params, ctx.position + i + 1)
+                x = self._embed(tokens[-1])
+            h = self.layers(x, cos[0, i : i + 1], sin[0, i : i + 1], cache, cache.length + i, None)  # [1, H]
+            h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
+            coarse = kernels.gemv_q4(h, self.head, self.vocab)  # [1, V]
+            logits, _ = kernels.rescore(coarse[0], counts, h[0], self.rows, theta, below)  # [V]
+            token = pick(logits[None], counts, params, ctx.position + i + 1)
             tokens.append(token)
             if counts is not None:
                 counts[token] += 1
         return [Draft(tokens, list(range(-1, k)), source)]
+
+    def _embed(self, token: int) -> torch.Tensor:
+        """# -> [1, H]"""
+        if self.embed_rows is None:
+            return self.runner.decoder.embed(torch.tensor([token]))
+        return self.embed_rows[token : token + 1]

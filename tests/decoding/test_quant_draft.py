@@ -8,8 +8,8 @@ from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.quant import quantize
-from specrun.decoding.quant_draft import HEAD_BITS, QuantDrafter, quantized
+from specrun.decoding.quant import quantizable, quantize
+from specrun.decoding.quant_draft import QuantDrafter, quantized
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.trie import DraftContext
@@ -31,26 +31,28 @@ def model_dir(tmp_path_factory):
 
 
 def _on_grid(lm):
-    """The model's weights moved onto the drafter's grids (4-bit layers, 8-bit LM head), as a GGUF model's are: the
-    drafter's copy is then the model itself but for rounding, and drafts what AR picks."""
+    """The model's weights moved onto the drafter's 4-bit grid, as a GGUF model's are: the drafter's copy is then the
+    model itself but for rounding, and drafts what AR picks."""
     for layer in lm.model.model.layers:
         for m in (*layer.self_attn.children(), *layer.mlp.children()):
             if isinstance(m, torch.nn.Linear):
-                m.weight.data.copy_(quantize(m.weight.data, 4)[1])
+                m.weight.data.copy_(quantize(m.weight.data)[1])
     head = lm.model.get_output_embeddings().weight
-    head.data.copy_(quantize(head.data, HEAD_BITS)[1])
+    head.data.copy_(quantize(head.data)[1])
     return lm
 
 
-@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k", [(37, 96), (160, 96), (17, 576)])
-def test_quantize_and_the_product_agree_with_float64(bits, n, k):
-    gen = torch.Generator().manual_seed(bits + n)
+def test_quantize_and_the_product_agree_with_float64(n, k):
+    gen = torch.Generator().manual_seed(n)
     w = torch.randn((n, k), generator=gen) * 0.1
-    packed, deq = quantize(w, bits)
+    packed, deq = quantize(w)
     groups = w.view(n, k // 32, 32)
-    step = (groups.amax(-1) - groups.amin(-1)) / (2 ** bits - 1)
-    assert ((deq - w).abs().view(n, k // 32, 32) <= step[..., None] / 2 * (1 + 1e-5) + 1e-7).all()  # to nearest
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    # to nearest, on the float16 scale and minimum's grid (each within 2^-11 of its value: 16 steps move 2^-11 d each
+    # at most)
+    slack = 2 ** -11 * (groups.abs().amax(-1) + step * 16)
+    assert ((deq - w).abs().view(n, k // 32, 32) <= (step / 2 + slack)[..., None] + 1e-7).all()
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no CPU kernels here")
@@ -59,21 +61,48 @@ def test_quantize_and_the_product_agree_with_float64(bits, n, k):
         x = torch.randn((rows, k), generator=gen).bfloat16()
         ref = x.double() @ deq.double().T
         for b in (None, bias):
-            y = kernels.gemv_quant(x, packed, n, bits, b).double()
+            y = kernels.gemv_q4(x, packed, n, b).double()
             want = ref if b is None else ref + b.double()
             assert ((y - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()  # bf16's one rounding
-        alone = torch.cat([kernels.gemv_quant(x[i : i + 1], packed, n, bits) for i in range(rows)])
-        assert torch.equal(alone, kernels.gemv_quant(x, packed, n, bits))  # a row does not depend on the others
+        alone = torch.cat([kernels.gemv_q4(x[i : i + 1], packed, n) for i in range(rows)])
+        assert torch.equal(alone, kernels.gemv_q4(x, packed, n))  # a row does not depend on the others
 
 
 def test_quantize_recovers_weights_already_on_its_grid():
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (20, 64), generator=gen).float()
     q[:, 0::32], q[:, 1::32] = 0, 15  # each group spans the whole grid, as a quantizer's own output does
-    d = torch.rand((20, 2, 1), generator=gen) * 0.01 + 1e-3
-    m = torch.randn((20, 2, 1), generator=gen) * 0.1
+    d = (torch.rand((20, 2, 1), generator=gen) * 0.01 + 1e-3).half().float()  # float16 scales, as GGUF's
+    m = (torch.randn((20, 2, 1), generator=gen) * 0.1).half().float()
     w = (q.view(20, 2, 32) * d + m).view(20, 64)
-    assert torch.allclose(quantize(w, 4)[1], w, rtol=0, atol=1e-6)
+    assert torch.allclose(quantize(w)[1], w, rtol=0, atol=1e-6)
+
+
+def test_weights_beyond_float16s_scales_are_not_quantized():
+    w = torch.randn(16, 64)
+    assert quantizable(w) and not quantizable(w * 1e5) and not quantizable(torch.randn(16, 48))
+
+
+@needs_kernels
+@pytest.mark.parametrize("theta", [1.0, 1.3])
+def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_top(theta):
+    """rescore: the tokens whose coarse logit is within `below` of the best penalised one get h . W[v] rounded to bf16
+    (the model's head), the rest -inf; the best can be a penalised token, then the window starts below it."""
+    gen = torch.Generator().manual_seed(int(theta * 10))
+    V, H = 1000, 96
+    rows, h = torch.randn((V, H), generator=gen).bfloat16(), torch.randn(H, generator=gen).bfloat16()
+    exact = rows.double() @ h.double()
+    coarse = (exact + torch.randn(V, generator=gen, dtype=torch.float64) * 0.5).bfloat16()
+    counts = (torch.rand(V, generator=gen) < 0.3).to(torch.int32)
+    counts[coarse.float().argmax()] = 2  # the coarse best is penalised
+    out, n = cpu_kernels().rescore(coarse, counts, h, rows, theta, 4.0)
+    c = coarse.double()
+    pen = torch.where(counts > 0, torch.where(c > 0, c / theta, c * theta), c)
+    kept = c >= pen.max() - 4.0
+    assert n == int(kept.sum()) and 1 < n < V
+    assert torch.equal(out > float("-inf"), kept)
+    assert ((out[kept].double() - exact[kept]).abs() <= 2 ** -8 * exact[kept].abs() + 1e-6).all()  # one rounding
+    assert torch.equal(cpu_kernels().rescore(coarse, None, h, rows, 1.0, 4.0)[0] > float("-inf"), c >= c.max() - 4.0)
 
 
 @needs_kernels
