@@ -121,14 +121,15 @@ class CpuKernels:
         """h's bf16-rounded logits (h . rows[v]) for the tokens whose coarse logit is at least the best penalised one
         (theta on the tokens counted) less `below`, -inf for the rest (rescore_bf16), and how many there are.
 
-        # coarse: [V] bf16, counts: [V] int32 or None, h: [H] bf16, rows: [V, H] bf16 -> [V] float32
+        # coarse: [1, V] bf16, counts: [V] int32 or None, h: [1, H] bf16, rows: [V, H] bf16 -> [1, V] float32
         """
         coarse, h = coarse.contiguous(), h.contiguous()
-        (V,), (H,) = coarse.shape, h.shape
+        (_, V), (_, H) = coarse.shape, h.shape
         assert coarse.dtype == h.dtype == rows.dtype == torch.bfloat16 and rows.is_contiguous() \
-            and rows.shape == (V, H) and H % 32 == 0 and theta >= 1.0, (coarse.shape, h.shape, rows.shape, theta)
+            and coarse.shape[0] == h.shape[0] == 1 and rows.shape == (V, H) and H % 32 == 0 and theta >= 1.0, \
+            (coarse.shape, h.shape, rows.shape, theta)
         assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
-        out = torch.empty(V, dtype=torch.float32)
+        out = torch.empty((1, V), dtype=torch.float32)
         n = self._rescore(coarse.data_ptr(), V, ptr(counts), h.data_ptr(), rows.data_ptr(), H, theta, below,
                           out.data_ptr())
         return out, n

@@ -12,6 +12,9 @@ def test_candidate_widths():
     assert candidate_widths(64) == [1, 2, 4, 8, 16, 32, 64]
     assert candidate_widths(20) == [1, 2, 4, 8, 16, 20]
     assert candidate_widths(1) == [1]
+    assert candidate_widths(64, fine=True) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert candidate_widths(20, fine=True) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    assert BudgetTuner(16, narrow_bounds=False).widths == [1, 2, 3, 4, 6, 8, 12, 16]
 
 
 def _timed(t: BudgetTuner, cost: dict, path=(1, 3, 6), steps=200) -> None:
@@ -221,12 +224,14 @@ def test_narrow_steps_do_not_wear_down_wider_widths_that_shadows_measure():
 @pytest.mark.parametrize("hits", [1.0, 0.5])
 def test_without_narrow_bounds_wider_widths_learn_only_from_their_own_steps(hits):
     """The 4-bit self-draft's tuner (narrow_bounds off): width 2's steps, whether they fill their width or miss, leave
-    width 4's measured 3 tokens alone, and width 4 wins (3 per 2.5 s against 2 per 2 s, 1 per 1 s)."""
+    width 4's measured 3 tokens alone, and width 4 wins (3 per 2.5 s against 3 per 2.6 s at width 3, 2 per 2 s, 1 per
+    1 s)."""
     t = BudgetTuner(4, narrow_bounds=False)
     t.observe(1, [], 1.0)
     t.observe(1, [], 1.0)
     for _ in range(3):
         t.observe(2, [1], 2.0)
+        t.observe(3, [1, 2], 2.6)
     for _ in range(10):
         t.observe(4, [1, 2], 2.5)  # 3 tokens (path of 2 drafted, the width's third node missed)
     for i in range(50):
