@@ -688,30 +688,33 @@ void rms_norm_rows_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, lon
 }
 
 /* The self-drafter's logits from a coarse (4-bit) head's: out[v] = h . W[v] (bf16 products summed in float32, rounded
- * to bf16 as the model's head rounds) for each v whose coarse logit is at least the best penalised coarse logit (the
- * penalty theta on tokens with counts > 0: / theta above 0, * theta below; counts NULL: none) less `below`, -inf
- * for the rest; returns how many were rescored. W: [V, H] bf16 rows, H % 32 == 0. Only tokens near the top can be drafted
+ * to bf16 as the model's head rounds) for each v whose penalised coarse logit (the penalty theta on tokens with
+ * counts > 0: / theta above 0, * theta below; counts NULL: none) is at least the best one less `below`, -inf for the
+ * rest; returns how many were rescored. W: [V, H] bf16 rows, H % 32 == 0. Only tokens near the top can be drafted
  * (min-p): their exact rows cost ~1% of an 8-bit head's 31 MB. */
+/* coarse[v .. v + 16) as float32, the penalty theta on the tokens counted (masked lanes: m) */
+static inline __m512 penalised16(const uint16_t *coarse, const int32_t *counts, long v, __mmask16 m, float theta) {
+    __m512 x = load16(coarse + v, m);
+    if (counts == NULL) return x;
+    __m512i count = _mm512_maskz_loadu_epi32(m, counts + v);
+    __mmask16 present = _mm512_mask_cmpgt_epi32_mask(m, count, _mm512_setzero_si512());
+    __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512 factor = _mm512_mask_blend_ps(pos, _mm512_set1_ps(theta), _mm512_set1_ps(1.0f / theta));
+    return _mm512_mask_mul_ps(x, present, x, factor);
+}
 long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const uint16_t *h, const uint16_t *W, long H,
                   float theta, float below, float *out) {
     __m512 top = _mm512_set1_ps(-INFINITY);
-    const __m512 up = _mm512_set1_ps(1.0f / theta), down = _mm512_set1_ps(theta);
     for (long v = 0; v < V; v += 16) {
         __mmask16 m = tail(V, v);
-        __m512 x = load16(coarse + v, m);
-        if (counts != NULL) {
-            __mmask16 present = _mm512_mask_cmpgt_epi32_mask(m, _mm512_maskz_loadu_epi32(m, counts + v),
-                                                             _mm512_setzero_si512());
-            __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-            x = _mm512_mask_mul_ps(x, present, x, _mm512_mask_blend_ps(pos, down, up));
-        }
-        top = _mm512_mask_max_ps(top, m, top, x);
+        top = _mm512_mask_max_ps(top, m, top, penalised16(coarse, counts, v, m, theta));
     }
     float thr = _mm512_reduce_max_ps(top) - below;
     long n = 0;
     for (long v = 0; v < V; v += 16) {
         __mmask16 m = tail(V, v);
-        __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(coarse + v, m), _mm512_set1_ps(thr), _CMP_GE_OQ);
+        __mmask16 hit = _mm512_mask_cmp_ps_mask(m, penalised16(coarse, counts, v, m, theta), _mm512_set1_ps(thr),
+                                                _CMP_GE_OQ);
         _mm512_mask_storeu_ps(out + v, m, _mm512_set1_ps(-INFINITY));
         for (; hit; hit &= hit - 1, n++) {
             long r = v + __builtin_ctz(hit);

@@ -118,15 +118,15 @@ class CpuKernels:
 
     def rescore(self, coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor,
                 theta: float, below: float) -> tuple[torch.Tensor, int]:
-        """h's bf16-rounded logits (h . rows[v]) for the tokens whose coarse logit is at least the best penalised one
-        (theta on the tokens counted) less `below`, -inf for the rest (rescore_bf16), and how many there are.
+        """h's bf16-rounded logits (h . rows[v]) for the tokens whose penalised coarse logit (theta on the tokens
+        counted) is at least the best one less `below`, -inf for the rest (rescore_bf16), and how many there are.
 
         # coarse: [1, V] bf16, counts: [V] int32 or None, h: [1, H] bf16, rows: [V, H] bf16 -> [1, V] float32
         """
         coarse, h = coarse.contiguous(), h.contiguous()
         (_, V), (_, H) = coarse.shape, h.shape
         assert coarse.dtype == h.dtype == rows.dtype == torch.bfloat16 and rows.is_contiguous() \
-            and coarse.shape[0] == h.shape[0] == 1 and rows.shape == (V, H) and H % 32 == 0 and theta >= 1.0, \
+            and coarse.shape[0] == h.shape[0] == 1 and rows.shape == (V, H) and H % 32 == 0 and theta > 0.0, \
             (coarse.shape, h.shape, rows.shape, theta)
         assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
         out = torch.empty((1, V), dtype=torch.float32)

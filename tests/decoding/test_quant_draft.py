@@ -1,4 +1,4 @@
-"""The quantized self-drafter (quant.py, quant_draft.py): 4- and 8-bit products against float64, its layers against
+"""The quantized self-drafter (quant.py, quant_draft.py): 4-bit products against float64, its layers against
 the model's own over the same weights, AR's tokens drafted, and an output that is always AR's (I1)."""
 
 import pytest
@@ -84,10 +84,10 @@ def test_weights_beyond_float16s_scales_are_not_quantized():
 
 
 @needs_kernels
-@pytest.mark.parametrize("theta", [1.0, 1.3])
+@pytest.mark.parametrize("theta", [1.0, 1.3, 0.7])
 def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_top(theta):
-    """rescore: the tokens whose coarse logit is within `below` of the best penalised one get h . W[v] rounded to bf16
-    (the model's head), the rest -inf; the best can be a penalised token, then the window starts below it."""
+    """rescore: the tokens whose penalised coarse logit is within `below` of the best one get h . W[v] rounded to bf16
+    (the model's head), the rest -inf; the penalty lowers (theta > 1) or raises (theta < 1) the tokens counted."""
     gen = torch.Generator().manual_seed(int(theta * 10))
     V, H = 1000, 96
     rows, h = torch.randn((V, H), generator=gen).bfloat16(), torch.randn(H, generator=gen).bfloat16()
@@ -95,10 +95,12 @@ def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_to
     coarse = (exact + torch.randn(V, generator=gen, dtype=torch.float64) * 0.5).bfloat16()
     counts = (torch.rand(V, generator=gen) < 0.3).to(torch.int32)
     counts[coarse.float().argmax()] = 2  # the coarse best is penalised
-    out, n = cpu_kernels().rescore(coarse[None], counts, h[None], rows, theta, 4.0)
-    out, c = out[0], coarse.double()
-    pen = torch.where(counts > 0, torch.where(c > 0, c / theta, c * theta), c)
-    kept = c >= pen.max() - 4.0
+    below = 4.0 if theta >= 1 else 20.0  # a raised best (~43 against ~30) leaves the others far below
+    out, n = cpu_kernels().rescore(coarse[None], counts, h[None], rows, theta, below)
+    out, c = out[0], coarse.float()
+    up, down = torch.tensor(1.0) / theta, torch.tensor(theta)  # float32, as the kernel multiplies
+    pen = torch.where(counts > 0, torch.where(c > 0, c * up, c * down), c)
+    kept = pen >= pen.max() - below
     assert n == int(kept.sum()) and 1 < n < V
     assert torch.equal(out > float("-inf"), kept)
     assert ((out[kept].double() - exact[kept]).abs() <= 2 ** -8 * exact[kept].abs() + 1e-6).all()  # one rounding
@@ -135,6 +137,19 @@ def test_drafting_with_the_4bit_copy_changes_nothing_and_is_accepted(model_dir, 
     assert result.token_ids == ar
     # three drafted tokens a step, nearly all AR's own (a miss is a near tie that rounding turned)
     assert result.stats["mean_accepted"] > 3.5, result.stats
+
+
+@needs_kernels
+def test_a_penalty_below_one_drafts_and_changes_nothing(model_dir):
+    """penalty < 1 (it raises the window's tokens; the head's candidates then come from the raised logits, see the
+    rescoring test) drafts as any penalty does, and the output is AR's."""
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
+    params = SamplingParams(max_tokens=80, temperature=1.0, min_p=0.1, penalty=0.7, penalty_window=32, seed=3,
+                            ignore_eos=True)
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
+    result = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False)).generate(PROMPT, params)
+    assert result.token_ids == ar
+    assert result.stats["mean_accepted"] > 3.2, result.stats  # 3.48: most steps take all 4 (a miss: a near tie)
 
 
 @needs_kernels
