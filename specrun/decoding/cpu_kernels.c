@@ -302,7 +302,7 @@ static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__
 static inline float softmax_row(float *x, long S, float top) {
     __m512 total = _mm512_setzero_ps();
     for (long s = 0; s < S; s += 16) {
-        __mmask16 m = S - s >= 16 ? 0xffff : (__mmask16)((1u << (S - s)) - 1);
+        __mmask16 m = tail(S, s);
         __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + s);
         __mmask16 seen = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
         __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(v, _mm512_set1_ps(top))));
@@ -346,7 +346,7 @@ static inline void scores_rows_bf16(const uint16_t *q, const uint16_t *kh, long 
         for (long g = 0; g < KTILES; g++) {
             long k0 = s0 + g * 16;
             if (k0 >= S) break;
-            __mmask16 live = S - k0 >= 16 ? 0xffff : (__mmask16)((1u << (S - k0)) - 1);
+            __mmask16 live = tail(S, k0);
             for (long l = 0; l < used; l++) {
                 __mmask16 seen = live;
                 for (long j = 0; j < 16; j++)  /* new slots: the rows the mask lets see them */
@@ -509,8 +509,8 @@ static inline __m512 round16_f32(__m512 v) { return v; }  /* float32 ops round t
 #define QBYTES (QG * 8 + 2 * 16 * 2)
 #define BLOCKQ(MB)                                                                                                     \
     static inline __attribute__((always_inline)) void blockq4_##MB(const uint16_t *x, const uint8_t *pb,               \
-                                                                         const float *xs, const float *b,              \
-                                                                         uint16_t *y, int N, int K, int n0) {          \
+                                                                   const float *xs, const float *b, uint16_t *y,       \
+                                                                   int N, int K, int n0) {                             \
         const __m512i low = _mm512_set1_epi16(0xf), bits = _mm512_set1_epi16(0x4300);                                  \
         int G = K / QG;                                                                                                \
         __m512 acc[MB];                                                                                                \
@@ -687,46 +687,6 @@ void rms_norm_rows_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, lon
     rms_norm_bf16(x, w, out, T, H, eps);
 }
 
-/* The self-drafter's logits from a coarse (4-bit) head's: out[v] = h . W[v] (bf16 products summed in float32, rounded
- * to bf16 as the model's head rounds) for each v whose penalised coarse logit (the penalty theta on tokens with
- * counts > 0: / theta above 0, * theta below; counts NULL: none) is at least the best one less `below`, -inf for the
- * rest; returns how many were rescored. W: [V, H] bf16 rows, H % 32 == 0. Only tokens near the top can be drafted
- * (min-p): their exact rows cost ~1% of an 8-bit head's 31 MB. */
-/* coarse[v .. v + 16) as float32, the penalty theta on the tokens counted (masked lanes: m) */
-static inline __m512 penalised16(const uint16_t *coarse, const int32_t *counts, long v, __mmask16 m, float theta) {
-    __m512 x = load16(coarse + v, m);
-    if (counts == NULL) return x;
-    __m512i count = _mm512_maskz_loadu_epi32(m, counts + v);
-    __mmask16 present = _mm512_mask_cmpgt_epi32_mask(m, count, _mm512_setzero_si512());
-    __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    __m512 factor = _mm512_mask_blend_ps(pos, _mm512_set1_ps(theta), _mm512_set1_ps(1.0f / theta));
-    return _mm512_mask_mul_ps(x, present, x, factor);
-}
-long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const uint16_t *h, const uint16_t *W, long H,
-                  float theta, float below, float *out) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (long v = 0; v < V; v += 16) {
-        __mmask16 m = tail(V, v);
-        top = _mm512_mask_max_ps(top, m, top, penalised16(coarse, counts, v, m, theta));
-    }
-    float thr = _mm512_reduce_max_ps(top) - below;
-    long n = 0;
-    for (long v = 0; v < V; v += 16) {
-        __mmask16 m = tail(V, v);
-        __mmask16 hit = _mm512_mask_cmp_ps_mask(m, penalised16(coarse, counts, v, m, theta), _mm512_set1_ps(thr),
-                                                _CMP_GE_OQ);
-        _mm512_mask_storeu_ps(out + v, m, _mm512_set1_ps(-INFINITY));
-        for (; hit; hit &= hit - 1, n++) {
-            long r = v + __builtin_ctz(hit);
-            __m512 acc = _mm512_setzero_ps();
-            for (long i = 0; i < H; i += 32)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(W + r * H + i),
-                                       (__m512bh)_mm512_loadu_si512(h + i));
-            out[r] = _mm512_cvtss_f32(round16(_mm512_set1_ps(_mm512_reduce_add_ps(acc))));
-        }
-    }
-    return n;
-}
 
 /* the largest of r's V values (-inf for none); *nan: whether r has a NaN (the max is then not meaningful). Dead lanes
  * of the last block load -inf and count no NaN. */
@@ -834,16 +794,56 @@ static inline __m512 process16(__m512 x, __mmask16 present, float theta, float t
     return temp != 1.0f ? _mm512_div_ps(x, _mm512_set1_ps(temp)) : x;
 }
 
+/* the lanes of counts[v .. v + 16) (masked: m) above 0: the tokens the penalty window holds (counts NULL: none) */
+static inline __mmask16 counted16(const int32_t *counts, long v, __mmask16 m) {
+    return counts == NULL ? 0 : _mm512_mask_cmpgt_epi32_mask(m, _mm512_maskz_loadu_epi32(m, counts + v),
+                                                             _mm512_setzero_si512());
+}
+
+/* coarse[v .. v + 16) as float32 with the penalty theta on the tokens counted (masked lanes: m) */
+static inline __m512 penalised16(const uint16_t *coarse, const int32_t *counts, long v, __mmask16 m, float theta) {
+    return process16(load16(coarse + v, m), counted16(counts, v, m), theta, 1.0f);
+}
+
+/* The self-drafter's logits from a coarse (4-bit) head's: out[v] = h . W[v] (bf16 products summed in float32, rounded
+ * to bf16 as the model's head rounds) for each v whose penalised coarse logit (process16's penalty theta on tokens
+ * with counts > 0; counts NULL: none) is at least the best one less `below`, -inf for the rest; returns how many were
+ * rescored. W: [V, H] bf16 rows, H % 32 == 0. Only tokens near the top can be drafted (min-p): their exact rows cost
+ * ~1% of an 8-bit head's 31 MB. */
+long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const uint16_t *h, const uint16_t *W, long H,
+                  float theta, float below, float *out) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long v = 0; v < V; v += 16) {
+        __mmask16 m = tail(V, v);
+        top = _mm512_mask_max_ps(top, m, top, penalised16(coarse, counts, v, m, theta));
+    }
+    float thr = _mm512_reduce_max_ps(top) - below;
+    long n = 0;
+    for (long v = 0; v < V; v += 16) {
+        __mmask16 m = tail(V, v);
+        __mmask16 hit = _mm512_mask_cmp_ps_mask(m, penalised16(coarse, counts, v, m, theta), _mm512_set1_ps(thr),
+                                                _CMP_GE_OQ);
+        _mm512_mask_storeu_ps(out + v, m, _mm512_set1_ps(-INFINITY));
+        for (; hit; hit &= hit - 1, n++) {
+            long r = v + __builtin_ctz(hit);
+            __m512 acc = _mm512_setzero_ps();
+            for (long i = 0; i < H; i += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(W + r * H + i),
+                                       (__m512bh)_mm512_loadu_si512(h + i));
+            out[r] = _mm512_cvtss_f32(round16(_mm512_set1_ps(_mm512_reduce_add_ps(acc))));
+        }
+    }
+    return n;
+}
+
 /* s = row l processed; present: counts[v] > 0 (counts NULL: no penalty) but where a patch (p with rows[p] == t) says
  * otherwise */
 static inline void process_row(const float *l, float *s, long t, long V, const int32_t *counts, const int64_t *rows,
                                const int64_t *cols, const uint8_t *vals, long n_patches, float theta, float temp) {
     for (long i = 0; i < V; i += 16) {
-        __mmask16 live = tail(V, i), present = 0;
+        __mmask16 live = tail(V, i);
         __m512 x = _mm512_maskz_loadu_ps(live, l + i);
-        if (counts != NULL)
-            present = _mm512_mask_cmpgt_epi32_mask(live, _mm512_maskz_loadu_epi32(live, counts + i), _mm512_setzero_si512());
-        _mm512_mask_storeu_ps(s + i, live, process16(x, present, theta, temp));
+        _mm512_mask_storeu_ps(s + i, live, process16(x, counted16(counts, i, live), theta, temp));
     }
     for (long p = 0; counts != NULL && p < n_patches; p++)
         if (rows[p] == t) s[cols[p]] = _mm512_cvtss_f32(process16(_mm512_set1_ps(l[cols[p]]), vals[p] ? 1 : 0, theta, temp));

@@ -58,7 +58,6 @@ class QuantDrafter:
         self.runner = runner
         self.layers, self.head = weights
         dec = runner.decoder
-        self.vocab = dec.lm_head.weight.shape[0]
         # the embedding's rows as they are (a plain nn.Embedding), and the final norm in one kernel call: a draft's
         # torch modules cost ~0.2 ms of its ~6
         self.embed_rows = dec.embed.weight if type(dec.embed) is torch.nn.Embedding else None
@@ -99,7 +98,7 @@ class QuantDrafter:
                 x = self._embed(tokens[-1])
             h = self.layers(x, cos_i, sin_i, cache, cache.length + i, None)  # [1, H]
             h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
-            coarse = kernels.gemv_q4(h, self.head, self.vocab)  # [1, V]
+            coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [1, V]
             logits, _ = kernels.rescore(coarse, counts, h, self.rows, theta, below)  # [1, V]
             token = pick(logits, counts, params, ctx.position + i + 1)
             tokens.append(token)

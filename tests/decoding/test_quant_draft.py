@@ -98,8 +98,8 @@ def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_to
     below = 4.0 if theta >= 1 else 20.0  # a raised best (~43 against ~30) leaves the others far below
     out, n = cpu_kernels().rescore(coarse[None], counts, h[None], rows, theta, below)
     out, c = out[0], coarse.float()
-    up, down = torch.tensor(1.0) / theta, torch.tensor(theta)  # float32, as the kernel multiplies
-    pen = torch.where(counts > 0, torch.where(c > 0, c * up, c * down), c)
+    theta32 = torch.tensor(theta)  # float32, as the kernel computes (the sampling kernel's penalty)
+    pen = torch.where(counts > 0, torch.where(c > 0, c / theta32, c * theta32), c)
     kept = pen >= pen.max() - below
     assert n == int(kept.sum()) and 1 < n < V
     assert torch.equal(out > float("-inf"), kept)
