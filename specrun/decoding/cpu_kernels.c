@@ -2,7 +2,8 @@
  * compiles and loads this file), bf16 and float32 decoder layers in one call, the argmax / top-k of logits rows, and
  * sampled tokens (penalty, temperature, min-p, Gumbel-max). float32
  * accumulation (bf16: vdpbf16ps, results rounded to bf16 once). Every output is computed alone and in one order: a
- * row's result does not depend on which rows run beside it, nor on the thread count.
+ * row's result does not depend on which rows run beside it, nor on the thread count. The quantized self-drafter's
+ * layers: 4-bit products and an attention over int8 K/V codes (vpdpbusd / vpdpwssd, AVX-512 VNNI).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -269,33 +270,7 @@ static inline __m512 scores_f32(const float *q, const float *kh, long r0, long u
 ATTEND(attend_bf16, uint16_t, scores_bf16, weighted_values_bf16)
 ATTEND(attend_f32, float, scores_f32, weighted_values_f32)
 
-/* r[j] <- column j of the 16 x 16 dword tile whose rows are r[0..15] (unpack 32-bit, unpack 64-bit, then 128-bit
- * lanes: 64 shuffles) */
-static inline void transpose16(__m512i *r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {  /* b[g + c]: rows g..g+3's dword 4L + c in each 128-bit lane L */
-        b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
-        b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
-        b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
-        b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512i u = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), v = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
-        __m512i u2 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd), v2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
-        r[c] = _mm512_shuffle_i32x4(u, v, 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(u, v, 0xdd);
-        r[4 + c] = _mm512_shuffle_i32x4(u2, v2, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(u2, v2, 0xdd);
-    }
-}
-
 static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
-
-#define KTILES 2  /* 16-key tiles scored side by side: independent chains hide vdpbf16ps's latency */
 
 /* softmax of one row's S scores in place (keys in lanes: unseen keys -> 0, summed 16 keys side by side, then
  * across lanes); returns 1 / the total */
@@ -310,171 +285,6 @@ static inline float softmax_row(float *x, long S, float top) {
         total = _mm512_add_ps(total, e);
     }
     return 1.0f / _mm512_reduce_add_ps(total);
-}
-
-/* A block's scores with keys in the lanes: 16 keys' pairs transposed, so one vdpbf16ps against a row's broadcast
- * query pair scores 16 keys; scaled and masked into sc[row * RS + key], each row's max into top[row]. */
-static inline void scores_rows_bf16(const uint16_t *q, const uint16_t *kh, long r0, long used, long G, long Hq,
-                                    long kvh, long D, long S, long start, const __mmask16 *sees_new, float scale,
-                                    float *sc, float *top, long RS) {
-    const uint32_t *qrow[16];  /* the block's rows' query pairs */
-    __m512 best[16];
-    for (long l = 0; l < used; l++) {
-        long r = r0 + l, t = r / G, h = kvh * G + r % G;
-        qrow[l] = (const uint32_t *)(q + (t * Hq + h) * D);
-        best[l] = _mm512_set1_ps(-INFINITY);
-    }
-    __m512i kt[KTILES][128];  /* [tile][pair]: 16 keys' values of that pair */
-    for (long s0 = 0; s0 < S; s0 += 16 * KTILES) {
-        for (long g = 0; g < KTILES; g++)
-            for (long c = 0; c < D / 32; c++) {
-                __m512i *r = kt[g] + c * 16;
-                for (long j = 0; j < 16; j++) {
-                    long s = s0 + g * 16 + j;
-                    r[j] = s < S ? _mm512_loadu_si512(kh + s * D + c * 32) : _mm512_setzero_si512();
-                }
-                transpose16(r);
-            }
-        __m512 acc[KTILES][16];
-        for (long g = 0; g < KTILES; g++)
-            for (long l = 0; l < used; l++) acc[g][l] = _mm512_setzero_ps();
-        for (long dp = 0; dp < D / 2; dp++)
-            for (long l = 0; l < used; l++) {
-                __m512bh b = (__m512bh)_mm512_set1_epi32(qrow[l][dp]);
-                for (long g = 0; g < KTILES; g++) acc[g][l] = _mm512_dpbf16_ps(acc[g][l], (__m512bh)kt[g][dp], b);
-            }
-        for (long g = 0; g < KTILES; g++) {
-            long k0 = s0 + g * 16;
-            if (k0 >= S) break;
-            __mmask16 live = tail(S, k0);
-            for (long l = 0; l < used; l++) {
-                __mmask16 seen = live;
-                for (long j = 0; j < 16; j++)  /* new slots: the rows the mask lets see them */
-                    if (k0 + j >= start && k0 + j < S && !((sees_new[k0 + j - start] >> l) & 1)) seen &= ~(1u << j);
-                __m512 x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
-                                                _mm512_mul_ps(acc[g][l], _mm512_set1_ps(scale)));
-                _mm512_mask_storeu_ps(sc + l * RS + k0, live, x);
-                best[l] = _mm512_mask_max_ps(best[l], live, best[l], x);
-            }
-        }
-    }
-    for (long l = 0; l < used; l++) top[l] = _mm512_reduce_max_ps(best[l]);
-}
-
-
-/* ---- the quantized self-drafter's attention: its values need not be AR's, so keys are split for balance ----
- * Per KV head, block of 16 rows and chunk of SPLIT_KEYS keys (3 KV heads on 2 threads left one idle a third of the
- * time): scores with keys in the lanes (scores_rows_bf16), then each row's max, sum of exp and unnormalised values
- * over its chunk (the probabilities rounded to bf16 for vdpbf16ps: 1.4x less time than float32 products at 2,048
- * keys), merged across chunks by their maxima (log-sum-exp). Same arguments as attend_bf16 (its scratch
- * serves only if the chunks' buffer cannot be allocated: then the plain attention runs). */
-#define SPLIT_KEYS 256
-/* o[l][d] = sum over keys s < n of p[l][s] v[s][d] for rows l < used (float32 sums of bf16 products): keys in pairs,
- * two value rows interleaved (unpack) against each row's broadcast pair of bf16 probabilities, one vdpbf16ps per 32
- * products; a pair's values loaded once for RB rows. p: [used][RS] bf16 (zero past n), o: [used][D]. */
-#define VALUE_ROWS(RB)                                                                                               \
-    static inline __attribute__((always_inline)) void value_rows_##RB(const uint16_t *p, long RS, const uint16_t *vh, \
-                                                                      long n, float *o, const long D) {            \
-        __m512 acc[RB][16];                                                                                          \
-        for (long l = 0; l < RB; l++)                                                                                \
-            for (long c = 0; c < D / 16; c++) acc[l][c] = _mm512_setzero_ps();                                       \
-        for (long s = 0; s < n; s += 2) {                                                                            \
-            uint32_t pr[RB], any = 0;                                                                                \
-            for (long l = 0; l < RB; l++) {                                                                          \
-                __builtin_memcpy(pr + l, p + l * RS + s, 4);                                                         \
-                any |= pr[l];                                                                                        \
-            }                                                                                                        \
-            if (any == 0) continue; /* masked or underflowed keys */                                                 \
-            const uint16_t *v0 = vh + s * D, *v1 = s + 1 < n ? v0 + D : v0; /* a lone last key: p's pad is 0 */     \
-            for (long c = 0; c < D / 32; c++) {                                                                      \
-                __m512i a = _mm512_loadu_si512(v0 + c * 32), b = _mm512_loadu_si512(v1 + c * 32);                    \
-                __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);     \
-                for (long l = 0; l < RB; l++) {                                                                      \
-                    __m512bh w = (__m512bh)_mm512_set1_epi32(pr[l]);                                                 \
-                    acc[l][2 * c] = _mm512_dpbf16_ps(acc[l][2 * c], lo, w);                                          \
-                    acc[l][2 * c + 1] = _mm512_dpbf16_ps(acc[l][2 * c + 1], hi, w);                                  \
-                }                                                                                                    \
-            }                                                                                                        \
-        }                                                                                                            \
-        /* unpack's order: lo's 128-bit lane L holds d = 8L + 0..3 of its 32, hi's d = 8L + 4..7 */                  \
-        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);           \
-        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);    \
-        for (long l = 0; l < RB; l++)                                                                                \
-            for (long c = 0; c < D / 32; c++) {                                                                      \
-                _mm512_storeu_ps(o + l * D + c * 32, _mm512_permutex2var_ps(acc[l][2 * c], first, acc[l][2 * c + 1])); \
-                _mm512_storeu_ps(o + l * D + c * 32 + 16,                                                            \
-                                 _mm512_permutex2var_ps(acc[l][2 * c], second, acc[l][2 * c + 1]));                  \
-            }                                                                                                        \
-    }
-VALUE_ROWS(1) VALUE_ROWS(2) VALUE_ROWS(4)
-/* value_rows for `used` rows, as many a pass as the registers hold for D */
-static inline __attribute__((always_inline)) void value_rows(const uint16_t *p, long RS, const uint16_t *vh, long n,
-                                                             float *o, long used, const long D) {
-    long l = 0;
-    if (D <= 64)
-        for (; l + 4 <= used; l += 4) value_rows_4(p + l * RS, RS, vh, n, o + l * D, D);
-    if (D <= 128)
-        for (; l + 2 <= used; l += 2) value_rows_2(p + l * RS, RS, vh, n, o + l * D, D);
-    for (; l < used; l++) value_rows_1(p + l * RS, RS, vh, n, o + l * D, D);
-}
-void attend_split_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, long cap, const uint8_t *mask,
-                       uint16_t *out, long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,
-                       int threads) {
-    long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
-    long chunks = (S + SPLIT_KEYS - 1) / SPLIT_KEYS, items = Hkv * blocks * chunks, per = 16 * D + 32;
-    float *part = (float *)malloc(items * per * sizeof(float));  /* per item: o [16][D], max [16], sum [16] */
-    if (part == NULL) {  /* the plain attention needs no more memory than its scratch */
-        attend_bf16(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads);
-        return;
-    }
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long item = 0; item < items; item++) {
-        long c = item % chunks, blk = (item / chunks) % blocks, kvh = item / (chunks * blocks);
-        long r0 = blk * 16, used = rows - r0 < 16 ? rows - r0 : 16, lo = c * SPLIT_KEYS;
-        long n = S - lo < SPLIT_KEYS ? S - lo : SPLIT_KEYS;
-        const uint16_t *kh = k + kvh * cap * D + lo * D, *vh = v + kvh * cap * D + lo * D;
-        float sc[16 * SPLIT_KEYS], top[16], *o = part + item * per, *mx = o + 16 * D, *sum = mx + 16;
-        uint16_t pb[16 * (SPLIT_KEYS + 16)];  /* the rows' probabilities in bf16, zero past n */
-        __mmask16 sees_new[T];
-        lanes_seeing_new(mask, T, G, r0, used, sees_new);
-        scores_rows_bf16(q, kh, r0, used, G, Hq, kvh, D, n, start - lo, sees_new, scale, sc, top, SPLIT_KEYS);
-        for (long l = 0; l < used; l++) {
-            mx[l] = top[l];
-            float *x = sc + l * SPLIT_KEYS;
-            sum[l] = top[l] == -INFINITY ? 0.0f : 1.0f / softmax_row(x, n, top[l]);
-            for (long s = 0; s < n + 1; s += 16) {  /* a fully masked row's probabilities: all zero */
-                __mmask16 m = tail(n, s);
-                __m512 e = sum[l] == 0.0f ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, x + s);
-                _mm256_storeu_si256((__m256i *)(pb + l * (SPLIT_KEYS + 16) + s), (__m256i)_mm512_cvtneps_pbh(e));
-            }
-        }
-        if (D == 64) value_rows(pb, SPLIT_KEYS + 16, vh, n, o, used, 64); /* constant D: registers */
-        else if (D == 128) value_rows(pb, SPLIT_KEYS + 16, vh, n, o, used, 128);
-        else value_rows(pb, SPLIT_KEYS + 16, vh, n, o, used, D);
-    }
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long rb = 0; rb < Hkv * blocks; rb++) {
-        long kvh = rb / blocks, r0 = (rb % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
-        for (long l = 0; l < used; l++) {
-            const float *base = part + rb * chunks * per;
-            float m = -INFINITY, total = 0.0f;
-            for (long c = 0; c < chunks; c++) m = fmaxf(m, base[c * per + 16 * D + l]);
-            __m512 acc[16];
-            for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
-            for (long c = 0; c < chunks; c++) {
-                const float *pc = base + c * per;
-                if (pc[16 * D + 16 + l] == 0.0f) continue;
-                float w = expf(pc[16 * D + l] - m);
-                total += w * pc[16 * D + 16 + l];
-                for (long d = 0; d < D / 16; d++)
-                    acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + l * D + d * 16), acc[d]);
-            }
-            long r = r0 + l, t = r / G, h = kvh * G + r % G;
-            for (long d = 0; d < D / 16; d++)
-                store_bf16x16(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.0f / total)));
-        }
-    }
-    free(part);
 }
 
 /* ---- whole decoder layers (Llama family: RMSNorm, fused QKV, rotate-half RoPE, GQA attention, SiLU-gated MLP) ----
@@ -579,7 +389,218 @@ typedef struct {
     long r0, T, start, cap, layer_stride;
     void *k, *v;
     const uint8_t *mask;
+    uint8_t *q8;  /* decode_layers_q4: the int8 copy of the cache ([L] x q8_bytes(q8_cap, ...)), or NULL */
+    long q8_cap;
 } seq_t;
+
+/* ---- the self-drafter's int8 copy of the committed K/V (its attention reads half the bytes, and scores 4 products
+ * an instruction) ----
+ * Per layer and KV head, slots rounded up to 16 (capT): K codes in tiles of 16 keys, a tile [D/4][16 keys][4 dims];
+ * V codes in key pairs [capT/2][D][2]; each row's float32 scale (max |x| / 127, codes rounded) and its K codes' sum
+ * (the u8 queries' offset). q8: [L] x q8_bytes(capT, Hkv, D), one layer's: K8 | V8 | kscale | vscale | ksum. */
+static inline long q8_bytes(long capT, long Hkv, long D) { return Hkv * capT * (2 * D + 12); }
+typedef struct { int8_t *k, *v; float *ks, *vs; int32_t *ksum; } q8_head_t;
+static inline q8_head_t q8_head(const uint8_t *base, long capT, long Hkv, long D, long h) {
+    q8_head_t r;
+    r.k = (int8_t *)base + h * capT * D;  /* the copy's owner writes through these; attention only reads */
+    r.v = (int8_t *)base + (Hkv + h) * capT * D;
+    r.ks = (float *)(base + 2 * Hkv * capT * D) + h * capT;
+    r.vs = (float *)(base + 2 * Hkv * capT * D) + (Hkv + h) * capT;
+    r.ksum = (int32_t *)(base + 2 * Hkv * capT * D + 8 * Hkv * capT) + h * capT;
+    return r;
+}
+/* codes of one bf16 row x [D] -> the scale; c[d * step] = round(x[d] / scale) (|c| <= 127), *sum = their sum */
+static inline float q8_row(const uint16_t *x, long D, int8_t *c, long step, int32_t *sum) {
+    __m512 mx = _mm512_setzero_ps();
+    for (long d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(x + d, 0xffff)));
+    float m = _mm512_reduce_max_ps(mx), scale = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+    int32_t s = 0;
+    for (long d = 0; d < D; d++) {
+        union { uint32_t u; float f; } b = {.u = (uint32_t)x[d] << 16};
+        int q = (int)lrintf(b.f * inv);
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        c[d * step] = (int8_t)q;
+        s += q;
+    }
+    if (sum) *sum = s;
+    return scale;
+}
+/* slots [from, to) of one KV head's bf16 keys and values ([cap][D] each) into its codes */
+static void q8_slots(const uint16_t *kh, const uint16_t *vh, q8_head_t o, long D, long from, long to) {
+    for (long s = from; s < to; s++) {
+        int8_t row[256], *kt = o.k + (s / 16) * 16 * D + (s % 16) * 4;  /* key s: tile s / 16, lane s % 16 */
+        o.ks[s] = q8_row(kh + s * D, D, row, 1, o.ksum + s);
+        for (long g = 0; g < D / 4; g++) __builtin_memcpy(kt + g * 64, row + 4 * g, 4);
+        o.vs[s] = q8_row(vh + s * D, D, o.v + (s / 2) * 2 * D + (s % 2), 2, NULL);
+    }
+}
+/* slots [from, to) of every layer and KV head of the bf16 cache k, v ([L][Hkv][cap][D], layers layer_stride apart)
+ * into q8 ([L][q8_bytes(capT, Hkv, D)], capT >= cap, a multiple of 16) */
+void quantize_kv_q8(const uint16_t *k, const uint16_t *v, long cap, long layer_stride, uint8_t *q8, long capT, long L,
+                    long Hkv, long D, long from, long to, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long lh = 0; lh < L * Hkv; lh++) {
+        long l = lh / Hkv, h = lh % Hkv, at = l * layer_stride + h * cap * D;
+        q8_slots(k + at, v + at, q8_head(q8 + l * q8_bytes(capT, Hkv, D), capT, Hkv, D, h), D, from, to);
+    }
+}
+
+/* each row's output from its chunks' partial sums (per chunk: o [16][D] unnormalised, max [16], sum [16]), merged by
+ * their maxima (log-sum-exp) */
+static void merge_chunks(const float *part, long chunks, long per, uint16_t *out, long rows, long blocks, long G,
+                         long Hq, long Hkv, long D, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long rb = 0; rb < Hkv * blocks; rb++) {
+        long kvh = rb / blocks, r0 = (rb % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
+        for (long l = 0; l < used; l++) {
+            const float *base = part + rb * chunks * per;
+            float m = -INFINITY, total = 0.0f;
+            for (long c = 0; c < chunks; c++) m = fmaxf(m, base[c * per + 16 * D + l]);
+            __m512 acc[16];
+            for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+            for (long c = 0; c < chunks; c++) {
+                const float *pc = base + c * per;
+                if (pc[16 * D + 16 + l] == 0.0f) continue;
+                float w = expf(pc[16 * D + l] - m);
+                total += w * pc[16 * D + 16 + l];
+                for (long d = 0; d < D / 16; d++)
+                    acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + l * D + d * 16), acc[d]);
+            }
+            long r = r0 + l, t = r / G, h = kvh * G + r % G;
+            for (long d = 0; d < D / 16; d++)
+                store_bf16x16(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.0f / total)));
+        }
+    }
+}
+
+#define Q8_SPLIT 256  /* keys a chunk: its int16 x int8 value sums stay within int32 (256 * 32767 * 127 < 2^31) */
+/* The self-drafter's attention over the int8 copy (slots [0, start + T) quantized: the new rows' K/V included), as
+ * attend_split_bf16 splits it: per KV head, block of 16 rows and chunk of keys; each row's query in u8 codes (offset
+ * 128, scale max |q| / 127) against the K codes (vpdpbusd, 4 products a lane), its probabilities times the V scales
+ * in int16 codes against the V codes (vpdpwssd, a key pair a lane); merged across chunks by their maxima. */
+int attend_split_q8(const uint16_t *q, const uint8_t *q8, long capT, const uint8_t *mask, uint16_t *out, long T, long Hq,
+                    long Hkv, long D, long start, float scale, int threads) {
+    long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
+    long chunks = (S + Q8_SPLIT - 1) / Q8_SPLIT, items = Hkv * blocks * chunks, per = 16 * D + 32;
+    float *part = (float *)malloc(items * per * sizeof(float));  /* per item: o [16][D], max [16], sum [16] */
+    if (part == NULL) return -1;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long item = 0; item < items; item++) {
+        long c = item % chunks, blk = (item / chunks) % blocks, kvh = item / (chunks * blocks);
+        long r0 = blk * 16, used = rows - r0 < 16 ? rows - r0 : 16, lo = c * Q8_SPLIT;
+        long n = S - lo < Q8_SPLIT ? S - lo : Q8_SPLIT;
+        q8_head_t hd = q8_head(q8, capT, Hkv, D, kvh);
+        float sc[16 * Q8_SPLIT], *o = part + item * per, *mx = o + 16 * D, *sum = mx + 16;
+        float qs[16];
+        uint32_t qc[16][64];  /* each row's u8 query codes, 4 dims a dword */
+        __mmask16 sees_new[T];
+        lanes_seeing_new(mask, T, G, r0, used, sees_new);
+        for (long l = 0; l < used; l++) {
+            long r = r0 + l, t = r / G, h = kvh * G + r % G;
+            int8_t c[256];
+            qs[l] = q8_row(q + (t * Hq + h) * D, D, c, 1, NULL) * scale;
+            for (long d = 0; d < D; d++) ((uint8_t *)qc[l])[d] = (uint8_t)(c[d] + 128);
+        }
+        /* scores: tiles of 16 keys, lo a multiple of 16 */
+        __m512 best[16];
+        for (long l = 0; l < used; l++) best[l] = _mm512_set1_ps(-INFINITY);
+        for (long k0 = 0; k0 < n; k0 += 16) {
+            const int8_t *tile = hd.k + (lo + k0) * D;
+            __m512i acc[16];
+            for (long l = 0; l < used; l++) acc[l] = _mm512_setzero_si512();
+            for (long g = 0; g < D / 4; g++) {
+                __m512i kz = _mm512_loadu_si512(tile + g * 64);
+                for (long l = 0; l < used; l++) acc[l] = _mm512_dpbusd_epi32(acc[l], _mm512_set1_epi32(qc[l][g]), kz);
+            }
+            __mmask16 live = tail(n, k0);
+            __m512i ksum = _mm512_maskz_loadu_epi32(live, hd.ksum + lo + k0);
+            __m512 ks = _mm512_maskz_loadu_ps(live, hd.ks + lo + k0);
+            __m512i off = _mm512_slli_epi32(ksum, 7);  /* the +128 offset's share: 128 * the key's code sum */
+            for (long l = 0; l < used; l++) {
+                __mmask16 seen = live;
+                for (long j = 0; j < 16; j++)
+                    if (lo + k0 + j >= start && k0 + j < n && !((sees_new[lo + k0 + j - start] >> l) & 1)) seen &= ~(1u << j);
+                __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[l], off)),
+                                         _mm512_mul_ps(ks, _mm512_set1_ps(qs[l])));
+                x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
+                _mm512_mask_storeu_ps(sc + l * Q8_SPLIT + k0, live, x);
+                best[l] = _mm512_mask_max_ps(best[l], live, best[l], x);
+            }
+        }
+        int16_t pw[16][Q8_SPLIT + 16];
+        float wscale[16];
+        for (long l = 0; l < used; l++) {
+            float top = _mm512_reduce_max_ps(best[l]), *x = sc + l * Q8_SPLIT;
+            mx[l] = top;
+            sum[l] = top == -INFINITY ? 0.0f : 1.0f / softmax_row(x, n, top);
+            __m512 wm = _mm512_setzero_ps();
+            for (long s = 0; s < n; s += 16) {  /* probabilities times the V scales */
+                __mmask16 m = tail(n, s);
+                __m512 w = sum[l] == 0.0f ? _mm512_setzero_ps()
+                                          : _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + s), _mm512_maskz_loadu_ps(m, hd.vs + lo + s));
+                _mm512_mask_storeu_ps(x + s, m, w);
+                wm = _mm512_max_ps(wm, w);
+            }
+            float w_max = _mm512_reduce_max_ps(wm), winv = w_max > 0.0f ? 32767.0f / w_max : 0.0f;
+            wscale[l] = w_max / 32767.0f;
+            for (long s = 0; s < n + 16; s += 16) {
+                __mmask16 m = s < n ? tail(n, s) : 0;
+                __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + s), _mm512_set1_ps(winv)));
+                _mm256_storeu_si256((__m256i *)(pw[l] + s), _mm512_cvtepi32_epi16(w));
+            }
+        }
+        /* values: key pairs, 16 dims a vpdpwssd */
+        for (long l0 = 0; l0 < used; l0 += 4) {
+            long nr = used - l0 < 4 ? used - l0 : 4;
+            __m512i acc[4][16];
+            for (long l = 0; l < nr; l++)
+                for (long b = 0; b < D / 16; b++) acc[l][b] = _mm512_setzero_si512();
+            for (long s = 0; s < n; s += 2) {
+                const int8_t *vp = hd.v + (lo + s) * D;
+                for (long b = 0; b < D / 16; b++) {
+                    __m512i vz = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(vp + b * 32)));
+                    for (long l = 0; l < nr; l++) {
+                        uint32_t pr;
+                        __builtin_memcpy(&pr, pw[l0 + l] + s, 4);
+                        acc[l][b] = _mm512_dpwssd_epi32(acc[l][b], vz, _mm512_set1_epi32(pr));
+                    }
+                }
+            }
+            for (long l = 0; l < nr; l++)
+                for (long b = 0; b < D / 16; b++)
+                    _mm512_storeu_ps(o + (l0 + l) * D + b * 16,
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(acc[l][b]), _mm512_set1_ps(wscale[l0 + l])));
+        }
+    }
+    merge_chunks(part, chunks, per, out, rows, blocks, G, Hq, Hkv, D, threads);
+    free(part);
+    return 0;
+}
+
+/* a sequence's attention at layer l in decode_layers (its K/V just written): the plain kernels over its cache, or the
+ * self-drafter's over the int8 copy, after the new rows' codes (the plain bf16 one where there is no copy or memory) */
+#define ATTEND_SEQ(NAME, TYPE, FN)                                                                                  \
+    static void NAME(const seq_t *sq, int l, const TYPE *q, TYPE *out, long Hq, long Hkv, long D, float scale,      \
+                     float *scratch, int threads) {                                                                  \
+        FN(q, (const TYPE *)sq->k + l * sq->layer_stride, (const TYPE *)sq->v + l * sq->layer_stride, sq->cap,       \
+           sq->mask, out, sq->T, Hq, Hkv, D, sq->start, scale, scratch, threads);                                    \
+    }
+ATTEND_SEQ(attend_seq_bf16, uint16_t, attend_bf16)
+ATTEND_SEQ(attend_seq_f32, float, attend_f32)
+static void attend_seq_q8(const seq_t *sq, int l, const uint16_t *q, uint16_t *out, long Hq, long Hkv, long D,
+                          float scale, float *scratch, int threads) {
+    if (sq->q8 != NULL) {
+        uint8_t *base = sq->q8 + l * q8_bytes(sq->q8_cap, Hkv, D);
+        for (long h = 0; h < Hkv; h++) {
+            long at = l * sq->layer_stride + h * sq->cap * D;
+            q8_slots((const uint16_t *)sq->k + at, (const uint16_t *)sq->v + at, q8_head(base, sq->q8_cap, Hkv, D, h),
+                     D, sq->start, sq->start + sq->T);
+        }
+        if (attend_split_q8(q, base, sq->q8_cap, sq->mask, out, sq->T, Hq, Hkv, D, sq->start, scale, threads) == 0)
+            return;
+    }
+    attend_seq_bf16(sq, l, q, out, Hq, Hkv, D, scale, scratch, threads);
+}
 
 /* SUFFIX's helpers and decode_layers_SUFFIX over TYPE storage (LOAD / STORE / ROUND: 16 values as float32, masked).
  *
@@ -665,9 +686,7 @@ typedef struct {
             if (queries != NULL) __builtin_memcpy(queries + l * T * Hq * D, q, T * Hq * D * sizeof(TYPE));       \
             for (long s = 0; s < nseq; s++) {                                                                      \
                 const seq_t *sq = seqs + s;                                                                        \
-                ATTEND_FN(q + sq->r0 * Hq * D, (TYPE *)sq->k + l * sq->layer_stride,                               \
-                          (TYPE *)sq->v + l * sq->layer_stride, sq->cap, sq->mask, att + sq->r0 * Hq * D, sq->T, Hq, \
-                          Hkv, D, sq->start, scale, scores, threads);                                              \
+                ATTEND_FN(sq, l, q + sq->r0 * Hq * D, att + sq->r0 * Hq * D, Hq, Hkv, D, scale, scores, threads);        \
             }                                                                                                      \
             GEMV(att, (const TYPE *)ly->o, ly->b_o, tmp, T, H, Hq * D, threads);                                   \
             add_into_##SUFFIX(x, tmp, T * H);                                                                      \
@@ -678,10 +697,10 @@ typedef struct {
             add_into_##SUFFIX(x, tmp, T * H);                                                                      \
         }                                                                                                          \
     }
-LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_bf16)
-LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_f32)
-/* the quantized self-drafter's layers: bf16 activations and cache, 4-bit products */
-LAYERS(q4, uint16_t, load16, store16, round16, gemv_q4, attend_split_bf16)
+LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_seq_bf16)
+LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_seq_f32)
+/* the quantized self-drafter's layers: bf16 activations and cache, 4-bit products, attention over the int8 copy */
+LAYERS(q4, uint16_t, load16, store16, round16, gemv_q4, attend_seq_q8)
 /* out[t] = the RMSNorm of x[t] (rms_norm_bf16): the self-drafter's final norm, one call where HF's module is ~10 */
 void rms_norm_rows_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, long T, long H, float eps) {
     rms_norm_bf16(x, w, out, T, H, eps);

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from specrun.decoding.cpu_kernels import CpuKernels, ptr
+from specrun.decoding.cpu_kernels import CpuKernels, KVCodes, ptr
 from specrun.decoding.kv_cache import KVCache
 from specrun.decoding.quant import quantizable, quantize
 
@@ -28,13 +28,13 @@ class _LayerPtrs(ctypes.Structure):  # cpu_kernels.c layer_t
 
 class _Seq(ctypes.Structure):  # cpu_kernels.c seq_t
     _fields_ = [(name, ctypes.c_long) for name in ("r0", "T", "start", "cap", "layer_stride")] + \
-               [("k", _P), ("v", _P), ("mask", _P)]
+               [("k", _P), ("v", _P), ("mask", _P), ("q8", _P), ("q8_cap", ctypes.c_long)]
 
 
 def _seq(r0: int, T: int, start: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         dtype: torch.dtype) -> _Seq:
-    """One sequence's rows and cache. # k, v: [Lyr, Hkv, cap, D] views (layers may be strided, each layer contiguous),
-    mask: [T, T] bool contiguous or None (T == 1)"""
+         dtype: torch.dtype, q8: KVCodes | None = None) -> _Seq:
+    """One sequence's rows and cache (and the int8 copy the quantized layers attend). # k, v: [Lyr, Hkv, cap, D] views
+    (layers may be strided, each layer contiguous), mask: [T, T] bool contiguous or None (T == 1)"""
     if start + T > k.shape[2]:
         raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {k.shape[2]}")
     if k.dtype != dtype or v.dtype != dtype or (mask is not None and mask.dtype != torch.bool):
@@ -43,7 +43,11 @@ def _seq(r0: int, T: int, start: int, k: torch.Tensor, v: torch.Tensor, mask: to
     if k.stride() != v.stride() or not (k[0].is_contiguous() and v[0].is_contiguous()) \
             or (mask is not None and not mask.is_contiguous()):
         raise ValueError("decode_layers reads each layer's K/V and the mask contiguous, K and V alike")
-    return _Seq(r0, T, start, k.shape[2], k.stride(0), k.data_ptr(), v.data_ptr(), ptr(mask))
+    if q8 is not None and (q8.cap < k.shape[2] or q8.data.shape[0] != k.shape[0]):
+        raise ValueError(f"the int8 copy holds {q8.data.shape[0]} layers of {q8.cap} slots, the cache "
+                         f"{k.shape[0]} of {k.shape[2]}")
+    return _Seq(r0, T, start, k.shape[2], k.stride(0), k.data_ptr(), v.data_ptr(), ptr(mask),
+                None if q8 is None else q8.data.data_ptr(), 0 if q8 is None else q8.cap)
 
 
 def _plain_rms_norm(norm, dtype: torch.dtype) -> bool:
@@ -59,6 +63,7 @@ class CpuLayers:
     def __init__(self, dec, kernels: CpuKernels, quantized: bool = False):
         self.kernels = kernels
         self.dtype = torch.bfloat16 if quantized else dec.embed.weight.dtype
+        self.quantized = quantized
         self.run_layers = kernels.decode_layers_q4 if quantized else kernels.decode_layers[self.dtype]
         self.q4: list[torch.Tensor] = []  # the 4-bit packs the pointers point into (kept alive here)
         L0 = dec.layers[0]
@@ -108,15 +113,18 @@ class CpuLayers:
         return cls(dec, kernels, quantized=True)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                 new_mask: torch.Tensor | None, queries: list | None = None) -> torch.Tensor:
+                 new_mask: torch.Tensor | None, queries: list | None = None, q8: KVCodes | None = None) -> torch.Tensor:
         """Run every layer over T new tokens, writing their K/V at slots [start, start + T); with a queries list, each
-        layer's rotated q [Hq, T, D] is appended to it (as decoder.py's torch path does).
+        layer's rotated q [Hq, T, D] is appended to it (as decoder.py's torch path does). The quantized layers attend
+        q8, the int8 copy of slots [0, start) (they add the new slots' codes), where given; else the bf16 cache.
 
         # x: [T, H] (embedded), cos/sin: [T, D], new_mask: [T, T] bool (None for T == 1) -> x: [T, H]; all but the mask
         # in the layers' dtype (bf16 or float32)
         """
         mask = None if new_mask is None else new_mask.contiguous()
-        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask, self.dtype)
+        if q8 is not None and not self.quantized:
+            raise ValueError("only the quantized layers attend an int8 copy")
+        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask, self.dtype, q8)
         x, kept = self._run(x, cos, sin, [seq], start + x.shape[0], queries is not None)
         if queries is not None:
             queries.extend(q.transpose(0, 1) for q in kept)

@@ -11,8 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
-         "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
+         "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
 
@@ -26,8 +26,9 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU runs AVX-512 BF16 (vdpbf16ps), what cpu_kernels.c is built for."""
-    return "avx512_bf16" in cpu_flags()
+    """Whether this CPU runs AVX-512 BF16 (vdpbf16ps) and VNNI (the draft's int8 attention), what cpu_kernels.c is
+    built for."""
+    return {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
 
 
 def build(source: Path, out_dir: Path) -> Path:

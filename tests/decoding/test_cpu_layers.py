@@ -98,7 +98,7 @@ def test_drafting_equals_ar_through_the_one_call_layers(tmp_path, monkeypatch, s
     lm = _tiny(tmp_path, dtype=dtype)
     calls = []
     real = CpuLayers.__call__
-    monkeypatch.setattr(CpuLayers, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    monkeypatch.setattr(CpuLayers, "__call__", lambda self, *a, **kw: calls.append(a[0].shape[0]) or real(self, *a, **kw))
     prompt = list(b"abcabcabcabc the lighthouse keeper ")
     params = SamplingParams(max_tokens=60, temperature=1.0 if sampled else 0.0, seed=3, ignore_eos=True)
     ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids

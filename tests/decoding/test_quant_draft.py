@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.cpu_kernels import cpu_kernels
+from specrun.decoding.cpu_kernels import KVCodes, cpu_kernels
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.quant import quantizable, quantize
@@ -109,21 +109,53 @@ def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_to
 
 
 @needs_kernels
-def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model_dir):
+@pytest.mark.parametrize("int8_kv", [False, True], ids=["bf16-kv", "int8-kv"])
+def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model_dir, int8_kv):
     """Weights on the grid: the 4-bit layers' hidden states are the bf16 layers' but for rounding (their sums run
-    in another order), over the same cache."""
+    in another order), over the same cache, or over its int8 copy (the drafter's: codes of the new slot added)."""
     lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
     runner = ModelRunner(lm, max_rows=16)
     runner.reset(64)
     runner.prefill(torch.tensor(PROMPT), 8)
     dec = runner.decoder
     layers, _ = quantized(dec)
+    cache = runner.cache
+    codes = None
+    if int8_kv:
+        codes = KVCodes(cache.n_layers, cache.k.shape[1], cache.capacity, cache.k.shape[3])
+        codes.sync(layers.kernels, cache.k, cache.v, cache.length)
     tok, pos = torch.tensor([65]), torch.tensor([len(PROMPT)])
-    ref = runner.forward(tok, pos, torch.ones((1, 1), dtype=torch.bool)).float()
     x = dec.embed(tok)
     cos, sin = dec.rotary(x[None], pos[None])
-    ours = dec.norm(layers(x, cos[0], sin[0], runner.cache, runner.cache.length, None)).float()
+    ours = dec.norm(layers(x, cos[0], sin[0], cache, cache.length, None, q8=codes)).float()
+    if int8_kv:  # the new slot's codes are those of the K/V the layers wrote there
+        again = KVCodes(cache.n_layers, cache.k.shape[1], cache.capacity, cache.k.shape[3])
+        again.sync(layers.kernels, cache.k, cache.v, cache.length + 1)
+        assert torch.equal(codes.data, again.data)
+    ref = runner.forward(tok, pos, torch.ones((1, 1), dtype=torch.bool)).float()
     assert (ours - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+@needs_kernels
+def test_the_int8_copy_syncs_slot_by_slot_as_at_once_and_restarts_with_a_new_sequence():
+    """KVCodes.sync adds the slots committed since its last call: steps of any size give the codes of one call, and
+    a shorter cache (a new sequence) is coded again from slot 0."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn((3, 2, 70, 32), generator=gen).bfloat16() for _ in range(2))
+    kernels = cpu_kernels()
+    once, steps = KVCodes(3, 2, 70, 32), KVCodes(3, 2, 70, 32)
+    once.sync(kernels, k, v, 61)
+    for n in (1, 5, 16, 17, 40, 61):
+        steps.sync(kernels, k, v, n)
+    assert once.cap == 80 and torch.equal(once.data, steps.data)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :9], v2[:, :, :9] = -k[:, :, :9], 2 * v[:, :, :9]
+    steps.sync(kernels, k2, v2, 9)
+    fresh = KVCodes(3, 2, 70, 32)
+    fresh.sync(kernels, k2, v2, 9)
+    steps.sync(kernels, k2, v2, 61)
+    fresh.sync(kernels, k2, v2, 61)
+    assert torch.equal(fresh.data, steps.data) and not torch.equal(once.data, steps.data)
 
 
 @needs_kernels
@@ -135,8 +167,9 @@ def test_drafting_with_the_4bit_copy_changes_nothing_and_is_accepted(model_dir, 
     assert isinstance(engine.drafters[0], QuantDrafter)
     result = engine.generate(PROMPT, params)
     assert result.token_ids == ar
-    # three drafted tokens a step, nearly all AR's own (a miss is a near tie that rounding turned)
-    assert result.stats["mean_accepted"] > 3.5, result.stats
+    # three drafted tokens a step, most of them AR's own (a miss: a near tie that rounding or the int8 K/V codes
+    # turned; this random model's logits are flat: 3.33 and 3.2 a step with int8 K/V, above 3.5 with bf16)
+    assert result.stats["mean_accepted"] > 3.0, result.stats
 
 
 @needs_kernels
@@ -149,7 +182,7 @@ def test_a_penalty_below_one_drafts_and_changes_nothing(model_dir):
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
     result = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False)).generate(PROMPT, params)
     assert result.token_ids == ar
-    assert result.stats["mean_accepted"] > 3.2, result.stats  # 3.48: most steps take all 4 (a miss: a near tie)
+    assert result.stats["mean_accepted"] > 3.0, result.stats  # 3.2: most steps take all 4 (a miss: a near tie)
 
 
 @needs_kernels
@@ -181,17 +214,23 @@ def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model
 @pytest.mark.parametrize("start", [0, 17, 255, 256, 700])
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (4, 4, 32), (16, 2, 128)])
-def test_the_drafters_split_attention_is_the_plain_one_up_to_rounding(start, T, Hq, Hkv, D):
-    """decode_layers_q4 attends with keys in 256-key chunks merged by log-sum-exp (the draft's values need not be AR's,
-    only close): the same rows as attend_bf16 to bf16 rounding, masks, chunk edges and 16-row blocks included."""
+def test_the_drafters_int8_attention_is_the_plain_one_up_to_its_codes(start, T, Hq, Hkv, D):
+    """decode_layers_q4 attends an int8 copy of the cache (u8 queries against K codes, int16 probabilities against V
+    codes) in 256-key chunks merged by log-sum-exp (the draft's values need not be AR's, only close): the rows of
+    attend_bf16 to within the codes' error, masks, chunk and tile edges, odd key counts and 16-row blocks included."""
     gen = torch.Generator().manual_seed(start * 10 + T)
     cap = start + T
     k, v = (torch.randn((Hkv, cap, D), generator=gen).bfloat16() for _ in range(2))
     q = torch.randn((T, Hq, D), generator=gen).bfloat16()
     mask = None if T == 1 else (torch.rand((T, T), generator=gen) > 0.5) | torch.eye(T, dtype=torch.bool)
-    plain = cpu_kernels().attend(q, k, v, start, mask, 0.3).float()
-    split = cpu_kernels().attend(q, k, v, start, mask, 0.3, split=True).float()
-    assert (split - plain).abs().max() <= 0.01 * plain.abs().max()
+    kernels = cpu_kernels()
+    codes = KVCodes(1, Hkv, cap, D)
+    codes.sync(kernels, k[None], v[None], cap)
+    plain = kernels.attend(q, k, v, start, mask, 0.3).float()
+    ours = kernels.attend_codes(q, codes, start, mask, 0.3).float()
+    # each code errs by up to 1/254 of its row's largest value (bf16: 1/512 of each value): on these Gaussian rows,
+    # whose softmax at 0.3 sqrt(D) is sharp, up to 4.0% of the largest output (bf16 against float64: 0.28%)
+    assert (ours - plain).abs().max() <= 0.05 * plain.abs().max()
 
 
 @needs_kernels
