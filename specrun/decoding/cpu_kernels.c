@@ -11,10 +11,13 @@
 #include <stdlib.h>
 
 #define ROWS 8  /* input rows per pass over a column block: 8 accumulators (measured as fast as 16) */
-/* bytes ahead of the weight stream to prefetch, one line a step (a block's packed weights are contiguous and the next
- * block follows, so this runs into the next block; a prefetch never faults, even past the end). Measured on smollm2's
- * products against prefetching the whole next block at its start (which overfills L1: 18-48 KB blocks): 1.2x faster
- * at 1-2 rows, 1.6x at 8, 1.4x at 16; 512 and 2048 bytes ahead were no better */
+/* bytes ahead of the weight stream to prefetch, one line a step, for passes of 2 rows or more (a block's packed weights
+ * are contiguous and the next block follows, so this runs into the next block; a prefetch never faults, even past the
+ * end). Measured on smollm2's products against prefetching the whole next block at its start (which overfills L1:
+ * 18-48 KB blocks): 1.6x faster at 8 rows, 1.4x at 16; 512 and 2048 bytes ahead were no better. A one-row pass streams
+ * faster on the hardware prefetcher alone (cold 3,072 x 576 products, 2 threads: bf16 35 against 29 GB/s, 4-bit 28
+ * against 24.5, while the bandwidth probe read 46-53 GB/s; +6% and +2.5% at 28-31), 6 rows slower (15-18 against 20-24
+ * GB/s at 30) */
 #define PREFETCH 1024
 #define KEYS 4  /* attention: keys scored side by side (each key's sum still in one order) */
 
@@ -38,7 +41,7 @@ static inline __attribute__((always_inline)) void store_block_bf16(const __m512 
         __m512 acc[MB];                                                                                            \
         for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                 \
         for (int kp = 0; kp < K / 2; kp++) {                                                                       \
-            _mm_prefetch((const char *)(pb + kp * 32) + PREFETCH, _MM_HINT_T0);                                    \
+            if (MB > 1) _mm_prefetch((const char *)(pb + kp * 32) + PREFETCH, _MM_HINT_T0);                        \
             __m512bh w = (__m512bh)_mm512_loadu_si512(pb + kp * 32);                                               \
             for (int m = 0; m < MB; m++) {                                                                         \
                 int32_t pair;                                                                                      \
@@ -89,7 +92,7 @@ GEMV(gemv_bf16, uint16_t, block)
         __m512 acc[MB];                                                                                            \
         for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                 \
         for (int k = 0; k < K; k++) {                                                                              \
-            _mm_prefetch((const char *)(pb + k * 16) + PREFETCH, _MM_HINT_T0);                                     \
+            if (MB > 1) _mm_prefetch((const char *)(pb + k * 16) + PREFETCH, _MM_HINT_T0);                         \
             __m512 w = _mm512_loadu_ps(pb + k * 16);                                                               \
             for (int m = 0; m < MB; m++) acc[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(long)m * K + k]), acc[m]);  \
         }                                                                                                          \
@@ -330,7 +333,7 @@ static inline __m512 round16_f32(__m512 v) { return v; }  /* float32 ops round t
             __m512 part[MB];                                                                                           \
             for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();                                                \
             for (int c = 0; c < QG / 4; c++) {                                                                         \
-                _mm_prefetch((const char *)(pg + c * 32) + PREFETCH, _MM_HINT_T0);                                     \
+                if (MB > 1) _mm_prefetch((const char *)(pg + c * 32) + PREFETCH, _MM_HINT_T0);                         \
                 __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(pg + c * 32)));                  \
                 __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, low), bits);                               \
                 __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bits);                                \
