@@ -14,11 +14,12 @@
 /* bytes ahead of the weight stream to prefetch, one line a step, for passes of 2 rows or more (a block's packed weights
  * are contiguous and the next block follows, so this runs into the next block; a prefetch never faults, even past the
  * end). Measured on smollm2's products against prefetching the whole next block at its start (which overfills L1:
- * 18-48 KB blocks): 1.6x faster at 8 rows, 1.4x at 16; 512 and 2048 bytes ahead were no better. A one-row pass streams
- * faster on the hardware prefetcher alone (cold 3,072 x 576 products, 2 threads: bf16 35 against 29 GB/s, 4-bit 28
- * against 24.5, while the bandwidth probe read 46-53 GB/s; +6% and +2.5% at 28-31), 6 rows slower (15-18 against 20-24
- * GB/s at 30) */
-#define PREFETCH 1024
+ * 18-48 KB blocks): 1.6x faster at 8 rows, 1.4x at 16. 4096 bytes ahead against 1024, 6 rows, cold 3,072 x 576
+ * products, 2 threads: ~30 against ~26.5 GB/s while this shared host's bandwidth probe read 45-52 GB/s, the same at
+ * 30 (the verify's products; in the engine, speculative +3.8% over 7 alternating pairs). A one-row pass streams faster
+ * on the hardware prefetcher alone (bf16 35 against 29 GB/s, 4-bit 28 against 24.5 at a 46-53 GB/s probe; +6% and
+ * +2.5% at 28-31), 6 rows slower (15-18 against 20-24 GB/s at 30) */
+#define PREFETCH 4096
 #define KEYS 4  /* attention: keys scored side by side (each key's sum still in one order) */
 
 /* A column block's results for MB rows: + bias (float32, or none), rounded to bf16 once, its live columns stored */
