@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void store_block_bf16(const __m512 
 /* Weights are packed once (cpu_kernels.py pack) as [ceil(N/16), K/2, 16, 2]: block nb, pair kp holds, for its 16
  * output columns, the weights of inputs 2kp and 2kp+1, so one 64-byte load feeds vdpbf16ps against a broadcast pair of
  * x: the 16 lanes are 16 outputs and no horizontal sums are needed. Memory-bound up to 8 rows (the packed weights are
- * read once, PREFETCH bytes ahead), compute-bound beyond (a block's later passes read it from cache). */
+ * read once, PREFETCH bytes ahead from 2 rows on), compute-bound beyond (a block's later passes read it from cache). */
 #define BLOCK(MB)                                                                                                  \
     static inline __attribute__((always_inline)) void block_##MB(const uint16_t *x, const uint16_t *pb,            \
                                                                  const float *b, uint16_t *y, int N, int K, int n0) { \
@@ -478,8 +478,8 @@ static void merge_chunks(const float *part, long chunks, long per, uint16_t *out
 }
 
 #define Q8_SPLIT 256  /* keys a chunk: its int16 x int8 value sums stay within int32 (256 * 32767 * 127 < 2^31) */
-/* The self-drafter's attention over the int8 copy (slots [0, start + T) quantized: the new rows' K/V included), as
- * attend_split_bf16 splits it: per KV head, block of 16 rows and chunk of keys; each row's query in u8 codes (offset
+/* The self-drafter's attention over the int8 copy (slots [0, start + T) quantized: the new rows' K/V included), split
+ * for balance over 2 threads and 3 KV heads: per KV head, block of 16 rows and chunk of keys; each row's query in u8 codes (offset
  * 128, scale max |q| / 127) against the K codes (vpdpbusd, 4 products a lane), its probabilities times the V scales
  * in int16 codes against the V codes (vpdpwssd, a key pair a lane); merged across chunks by their maxima. */
 int attend_split_q8(const uint16_t *q, const uint8_t *q8, long capT, const uint8_t *mask, uint16_t *out, long T, long Hq,

@@ -192,6 +192,7 @@ class CpuKernels:
         q = q.contiguous()
         T, Hq, D = q.shape
         assert q.dtype == torch.bfloat16 and codes.data.shape[0] == 1 and (mask is not None or T == 1)
+        assert D == codes.D and Hq % codes.Hkv == 0 and start + T <= codes.cap, (D, Hq, start + T, codes.cap)
         mask = None if mask is None else mask.contiguous()
         out = torch.empty_like(q)
         if self._attend_q8(q.data_ptr(), codes.data.data_ptr(), codes.cap, ptr(mask), out.data_ptr(), T, Hq,

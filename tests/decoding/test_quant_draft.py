@@ -137,6 +137,36 @@ def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model
 
 
 @needs_kernels
+def test_the_drafters_copy_holds_the_codes_of_each_new_sequences_cache(model_dir):
+    """A second sequence on the same engine and cache (a resume of the same prompt with another output prefix, longer
+    than the copy's first sync reached): the drafter's copy is that sequence's (start() restarts it), slot for slot
+    the codes of its cache's committed slots."""
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
+    params = SamplingParams(max_tokens=60, temperature=1.0, min_p=0.1, seed=3, ignore_eos=True)
+    engine.generate(PROMPT, params)
+    drafter, cache = engine.drafters[0], engine.runner.cache
+    first_upto, first_cache = drafter.codes.upto, cache
+    engine.generate(PROMPT, params, resume_from=[5, 6] * 29 + [5])
+    n = drafter.codes.upto  # compare the synced slots only (the rest hold the last draft's rows)
+    assert engine.runner.cache is first_cache and len(PROMPT) + 59 >= first_upto and n > first_upto
+    fresh = KVCodes(cache.n_layers, cache.k.shape[1], drafter.codes.cap, cache.k.shape[3])
+    fresh.sync(drafter.layers.kernels, cache.k, cache.v, n)
+    assert all(torch.equal(a, b) for a, b in zip(_slots(drafter.codes, n), _slots(fresh, n)))
+
+
+def _slots(codes: KVCodes, n: int) -> list[torch.Tensor]:
+    """The parts of codes' bytes that hold slots [0, n) (layout of cpu_kernels.c q8_head): K tiles, V pairs, scales."""
+    L, Hkv, cap, D = codes.data.shape[0], codes.Hkv, codes.cap, codes.D
+    b = codes.data.view(L, -1)
+    k = b[:, : Hkv * cap * D].view(L, Hkv, cap // 16, D // 4, 16, 4)
+    tiles, rest = divmod(n, 16)
+    v = b[:, Hkv * cap * D : 2 * Hkv * cap * D].view(L, Hkv, cap, D)
+    f = b[:, 2 * Hkv * cap * D :].view(L, 3, Hkv, cap, 4)  # kscale, vscale (float32), ksum (int32) as bytes
+    return [k[:, :, :tiles], k[:, :, tiles, :, :rest], v[:, :, : n - n % 2], f[:, :, :, :n]]
+
+
+@needs_kernels
 def test_the_int8_copy_syncs_slot_by_slot_as_at_once_and_restarts_with_a_new_sequence():
     """KVCodes.sync adds the slots committed since its last call: steps of any size give the codes of one call, and
     a shorter cache (a new sequence) is coded again from slot 0."""
@@ -167,6 +197,7 @@ def test_drafting_with_the_4bit_copy_changes_nothing_and_is_accepted(model_dir, 
     assert isinstance(engine.drafters[0], QuantDrafter)
     result = engine.generate(PROMPT, params)
     assert result.token_ids == ar
+    assert engine.drafters[0].codes.upto > 0  # it drafted over the int8 copy
     # three drafted tokens a step, most of them AR's own (a miss: a near tie that rounding or the int8 K/V codes
     # turned; this random model's logits are flat: 3.33 and 3.2 a step with int8 K/V, above 3.5 with bf16)
     assert result.stats["mean_accepted"] > 3.0, result.stats
@@ -225,6 +256,8 @@ def test_the_drafters_int8_attention_is_the_plain_one_up_to_its_codes(start, T, 
     mask = None if T == 1 else (torch.rand((T, T), generator=gen) > 0.5) | torch.eye(T, dtype=torch.bool)
     kernels = cpu_kernels()
     codes = KVCodes(1, Hkv, cap, D)
+    # slots past the keys hold garbage, as a drafter's copy does (its drafted rows' codes): the tails must be masked
+    codes.data.copy_(torch.randint(0, 256, codes.data.shape, generator=gen, dtype=torch.uint8))
     codes.sync(kernels, k[None], v[None], cap)
     plain = kernels.attend(q, k, v, start, mask, 0.3).float()
     ours = kernels.attend_codes(q, codes, start, mask, 0.3).float()
