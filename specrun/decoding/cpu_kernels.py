@@ -39,14 +39,15 @@ class CpuKernels:
             f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
                           + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
             f.restype = None
-        self._attend_q8 = lib.attend_split_q8  # the quantized self-drafter's (decode_layers_q4)
-        self._attend_q8.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
-                                    + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
-        self._attend_q8.restype = ctypes.c_int
-        self._quantize_kv = lib.quantize_kv_q8
-        self._quantize_kv.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
-                                      + [ctypes.c_long] * 6 + [ctypes.c_int])
-        self._quantize_kv.restype = None
+        # called by kv_codes.KVCodes, which owns the int8 copy they read and write
+        self.attend_split_q8 = lib.attend_split_q8  # the quantized self-drafter's (decode_layers_q4 calls it too)
+        self.attend_split_q8.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
+                                         + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
+        self.attend_split_q8.restype = ctypes.c_int
+        self.quantize_kv_q8 = lib.quantize_kv_q8
+        self.quantize_kv_q8.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
+                                        + [ctypes.c_long] * 6 + [ctypes.c_int])
+        self.quantize_kv_q8.restype = None
         self._rms_norm = lib.rms_norm_rows_bf16
         self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._rms_norm.restype = None
@@ -185,30 +186,6 @@ class CpuKernels:
                               D, start, scale, scores.data_ptr(), torch.get_num_threads())
         return out
 
-    def attend_codes(self, q: torch.Tensor, codes: KVCodes, start: int, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
-        """attend over the int8 copy of one layer (codes of slots [0, start + T)): the quantized self-drafter's
-        attention, in chunks of keys merged by log-sum-exp. # q: [T, Hq, D] bf16 -> [T, Hq, D] bf16"""
-        q = q.contiguous()
-        T, Hq, D = q.shape
-        assert q.dtype == torch.bfloat16 and codes.data.shape[0] == 1 and (mask is not None or T == 1)
-        assert D == codes.D and Hq % codes.Hkv == 0 and start + T <= codes.cap, (D, Hq, start + T, codes.cap)
-        mask = None if mask is None else mask.contiguous()
-        out = torch.empty_like(q)
-        if self._attend_q8(q.data_ptr(), codes.data.data_ptr(), codes.cap, ptr(mask), out.data_ptr(), T, Hq,
-                           codes.Hkv, D, start, scale, torch.get_num_threads()) != 0:
-            raise MemoryError("attend_split_q8: no memory for its chunks' sums")
-        return out
-
-    def quantize_kv(self, k: torch.Tensor, v: torch.Tensor, codes: KVCodes, start: int, end: int) -> None:
-        """Slots [start, end) of every layer of the bf16 cache k, v into codes. # k, v: [Lyr, Hkv, cap, D]"""
-        L, Hkv, cap, D = k.shape
-        assert k.dtype == v.dtype == torch.bfloat16 and k.stride() == v.stride() and k[0].is_contiguous()
-        assert (L, Hkv, D) == (codes.data.shape[0], codes.Hkv, codes.D) and cap <= codes.cap and end <= cap
-        self._quantize_kv(k.data_ptr(), v.data_ptr(), cap, k.stride(0), codes.data.data_ptr(), codes.cap, L, Hkv, D,
-                          start, end, torch.get_num_threads())
-
-
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x.argmax(dim=-1) exactly (first NaN, else first maximal value). # x: [T, V] float32 -> [T] long"""
         x = x.contiguous()
@@ -273,25 +250,6 @@ class CpuKernels:
                                 seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, position, k, out.data_ptr(),
                                 val.data_ptr(), idx.data_ptr(), lse.data_ptr(), torch.get_num_threads())
         return None if bad else (val, idx, lse)
-
-
-class KVCodes:
-    """The int8 copy of a bf16 KV cache that the quantized self-drafter attends (cpu_kernels.c, q8_bytes' layout):
-    per layer and KV head, K codes in tiles of 16 keys, V codes in key pairs, each row's scale. Slots [0, upto) are
-    the codes of the cache's committed slots; sync adds the slots committed since (committed slots do not change)."""
-
-    def __init__(self, layers: int, kv_heads: int, capacity: int, head_dim: int):
-        self.Hkv, self.D = kv_heads, head_dim
-        self.cap = -(-capacity // 16) * 16  # whole tiles
-        self.data = torch.zeros((layers, kv_heads * self.cap * (2 * head_dim + 12)), dtype=torch.uint8)
-        self.upto = 0
-
-    def sync(self, kernels: CpuKernels, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        """Codes for the slots [upto, length) of the cache k, v (length below upto: a new sequence, all again)."""
-        start = self.upto if length >= self.upto else 0
-        if length > start:
-            kernels.quantize_kv(k, v, self, start, length)
-        self.upto = length
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

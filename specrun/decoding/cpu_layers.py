@@ -14,7 +14,8 @@ import ctypes
 
 import torch
 
-from specrun.decoding.cpu_kernels import CpuKernels, KVCodes, ptr
+from specrun.decoding.cpu_kernels import CpuKernels, ptr
+from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.kv_cache import KVCache
 from specrun.decoding.quant import quantizable, quantize
 

@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from specrun.decoding.cpu_kernels import KVCodes, cpu_kernels
+from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.cpu_layers import CpuLayers
+from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.ngram import SuffixCopy
 from specrun.decoding.quant import quantizable, quantize
 from specrun.decoding.runner import ModelRunner

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.cpu_kernels import KVCodes, cpu_kernels
+from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.quant import quantizable, quantize
 from specrun.decoding.quant_draft import QuantDrafter, quantized
 from specrun.decoding.runner import ModelRunner
@@ -260,7 +261,7 @@ def test_the_drafters_int8_attention_is_the_plain_one_up_to_its_codes(start, T, 
     codes.data.copy_(torch.randint(0, 256, codes.data.shape, generator=gen, dtype=torch.uint8))
     codes.sync(kernels, k[None], v[None], cap)
     plain = kernels.attend(q, k, v, start, mask, 0.3).float()
-    ours = kernels.attend_codes(q, codes, start, mask, 0.3).float()
+    ours = codes.attend(kernels, q, start, mask, 0.3).float()
     # each code errs by up to 1/254 of its row's largest value (bf16: 1/512 of each value): on these Gaussian rows,
     # whose softmax at 0.3 sqrt(D) is sharp, up to 4.0% of the largest output (bf16 against float64: 0.28%)
     assert (ours - plain).abs().max() <= 0.05 * plain.abs().max()
