@@ -31,14 +31,18 @@ def test_an_explicit_concurrency_over_the_budget_names_both_sizes():
         check_concurrency(5, 1000, 100, 400_000)
 
 
-def test_cpu_budget_is_a_share_of_the_available_memory_and_honours_the_container_limit(tmp_path):
+def test_cpu_budget_is_a_share_of_the_available_memory_and_honours_the_container_limit(tmp_path, monkeypatch):
+    assert _meminfo_available() > 0  # the real reading parses
+    # MemAvailable moves between two reads on a busy host: pin it so both sides see one value
+    monkeypatch.setattr("specrun.actors.memory._meminfo_available", lambda: 10 * GiB)
     (tmp_path / "memory.max").write_text("max\n")
-    unlimited = kv_budget_bytes("cpu", 1, cgroup=tmp_path)
-    assert unlimited == int(CPU_SHARE * _meminfo_available())
-    assert kv_budget_bytes("cpu", 4, cgroup=tmp_path) == int(CPU_SHARE * _meminfo_available() / 4)
+    assert kv_budget_bytes("cpu", 1, cgroup=tmp_path) == int(CPU_SHARE * 10 * GiB)
+    assert kv_budget_bytes("cpu", 4, cgroup=tmp_path) == int(CPU_SHARE * 10 * GiB / 4)
     (tmp_path / "memory.max").write_text(str(3 * GiB))
     (tmp_path / "memory.current").write_text(str(1 * GiB))
-    assert kv_budget_bytes("cpu", 2, cgroup=tmp_path) == int(CPU_SHARE * min(2 * GiB, _meminfo_available()) / 2)
+    assert kv_budget_bytes("cpu", 2, cgroup=tmp_path) == int(CPU_SHARE * 2 * GiB / 2)  # the container's 2 GiB left
+    monkeypatch.setattr("specrun.actors.memory._meminfo_available", lambda: 1 * GiB)
+    assert kv_budget_bytes("cpu", 2, cgroup=tmp_path) == int(CPU_SHARE * 1 * GiB / 2)  # the host's 1 GiB is less
 
 
 def _prompt(n_input, max_tokens):
