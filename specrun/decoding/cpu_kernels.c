@@ -81,9 +81,45 @@ BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
         }                                                                                                          \
     }
 
+/* One input row: column blocks i and i + half at once, so each thread streams two distant parts of the weights (two
+ * streams for the hardware prefetchers, two accumulator chains); each block's sum is block_1's, op for op. Measured on
+ * cold smollm2 products, 2 threads: 3,072 x 576 +5-10% (e.g. 30.6 against 28.5 GB/s beside a 33 GB/s probe), 49,152 x
+ * 576 +0-5%; in the engine, the AR step's layers +4.8% (9.22 against 9.66 s over 1,024 alternated calls) */
+static inline __attribute__((always_inline)) void block_two(const uint16_t *x, const uint16_t *pa, const uint16_t *pb,
+                                                            const float *b, uint16_t *y, int N, int K, int na, int nb) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int kp = 0; kp < K / 2; kp++) {
+        int32_t pair;
+        __builtin_memcpy(&pair, x + 2 * kp, 4);
+        __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pa + kp * 32), xv);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pb + kp * 32), xv);
+    }
+    store_block_bf16(&a0, 1, b, y, N, na);
+    store_block_bf16(&a1, 1, b, y, N, nb);
+}
+
 /* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), W packed as above (K even), each column's pairs in order,
- * rounded to bf16 once */
-GEMV(gemv_bf16, uint16_t, block)
+ * rounded to bf16 once. Column blocks split across threads; one row: block_two, more: passes of up to ROWS rows. */
+void gemv_bf16(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K, int threads) {
+    int blocks = (N + 15) / 16;
+    if (M == 1) {
+        int half = (blocks + 1) / 2;
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (int i = 0; i < half; i++) {
+            int j = i + half;
+            if (j < blocks) block_two(x, p + (long)i * 16 * K, p + (long)j * 16 * K, b, y, N, K, i * 16, j * 16);
+            else block_1(x, p + (long)i * 16 * K, b, y, N, K, i * 16);
+        }
+        return;
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int nb = 0; nb < blocks; nb++) {
+        const uint16_t *pb = p + (long)nb * 16 * K;
+        for (long m = 0; m < M; m += ROWS)
+            ROW_PASS(block, M - m < ROWS ? M - m : ROWS, x + m * K, pb, b, y + m * N, N, K, nb * 16)
+    }
+}
 
 /* float32 weights packed as [ceil(N/16), K, 16]: input k's weights for a block's 16 output columns are one 64-byte
  * load, multiplied into all rows' accumulators against a broadcast x[m, k] (fused multiply-add, k in order). */
@@ -124,35 +160,42 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* out rows r0 .. r0+used of one KV head: each row's sum over keys (in order) of its probability times the value,
- * times inv; 4 rows a pass so a value row is loaded once for 4 rows. One body per storage type (bf16 values and
- * outputs converted to float32 and rounded back once; float32 as is). */
+/* out rows r0 .. r0+used of one KV head: each row's sum over keys (in order) of its probability (row l's at key s:
+ * sc[s * ss + l * ls]) times the value, times inv; 4 rows a pass so a value row is loaded once for 4 rows. One body
+ * per storage type (bf16 values and outputs converted to float32 and rounded back once; float32 as is). */
 #define WEIGHTED_VALUES(NAME, TYPE, LOAD, STORE)                                                                    \
-    static inline __attribute__((always_inline)) void NAME(const float *sc, const TYPE *vh, TYPE *out,             \
-                                                           const float *inv, long used, long r0, long G, long Hq,  \
-                                                           long kvh, long S, const long D) {                       \
-        for (long l0 = 0; l0 < used; l0 += 4) {                                                                    \
-            long n = used - l0 < 4 ? used - l0 : 4;                                                                \
-            __m512 o[4][16]; /* [row][D / 16] */                                                                   \
-            for (long l = 0; l < 4; l++)                                                                           \
-                for (long d = 0; d < D / 16; d++) o[l][d] = _mm512_setzero_ps();                                   \
-            for (long s = 0; s < S; s++) {                                                                         \
-                const float *pr = sc + s * 16 + l0;                                                                \
-                if (pr[0] == 0.0f && (n < 2 || pr[1] == 0.0f) && (n < 3 || pr[2] == 0.0f) &&                       \
-                    (n < 4 || pr[3] == 0.0f))                                                                      \
-                    continue;                                                                                      \
-                for (long d = 0; d < D / 16; d++) {                                                                \
-                    __m512 vv = LOAD(vh + s * D + d * 16);                                                         \
-                    for (long l = 0; l < 4; l++)                                                                   \
-                        if (l < n) o[l][d] = _mm512_fmadd_ps(_mm512_set1_ps(pr[l]), vv, o[l][d]);                  \
-                }                                                                                                  \
-            }                                                                                                      \
-            for (long l = 0; l < n; l++) {                                                                         \
-                long r = r0 + l0 + l, t = r / G, h = kvh * G + r % G;                                              \
-                for (long d = 0; d < D / 16; d++)                                                                  \
-                    STORE(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(o[l][d], _mm512_set1_ps(inv[l0 + l])));   \
+    static inline __attribute__((always_inline)) void NAME##_pass(const float *sc, const TYPE *vh, TYPE *out,      \
+        const float *inv, long r0, long G, long Hq, long kvh, long S, const long D, long ss, long ls, long l0,      \
+        const long n) {                                                                                            \
+        __m512 o[4][16]; /* [row][D / 16] */                                                                       \
+        for (long l = 0; l < n; l++)                                                                               \
+            for (long d = 0; d < D / 16; d++) o[l][d] = _mm512_setzero_ps();                                       \
+        for (long s = 0; s < S; s++) {                                                                             \
+            const float *pr = sc + s * ss + l0 * ls;                                                               \
+            int zero = 1;                                                                                          \
+            for (long l = 0; l < n; l++) zero &= pr[l * ls] == 0.0f;                                               \
+            if (zero) continue;                                                                                    \
+            for (long d = 0; d < D / 16; d++) {                                                                    \
+                __m512 vv = LOAD(vh + s * D + d * 16);                                                             \
+                for (long l = 0; l < n; l++) o[l][d] = _mm512_fmadd_ps(_mm512_set1_ps(pr[l * ls]), vv, o[l][d]);   \
             }                                                                                                      \
         }                                                                                                          \
+        for (long l = 0; l < n; l++) {                                                                             \
+            long r = r0 + l0 + l, t = r / G, h = kvh * G + r % G;                                                  \
+            for (long d = 0; d < D / 16; d++)                                                                      \
+                STORE(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(o[l][d], _mm512_set1_ps(inv[l0 + l])));       \
+        }                                                                                                          \
+    }                                                                                                              \
+    static inline __attribute__((always_inline)) void NAME(const float *sc, const TYPE *vh, TYPE *out,             \
+                                                           const float *inv, long used, long r0, long G, long Hq,  \
+                                                           long kvh, long S, const long D, long ss, long ls) {     \
+        for (long l0 = 0; l0 < used; l0 += 4) /* a pass's row count a constant: its sums stay in registers */      \
+            switch (used - l0) {                                                                                   \
+            case 1: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 1); break;                     \
+            case 2: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 2); break;                     \
+            case 3: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 3); break;                     \
+            default: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 4);                           \
+            }                                                                                                      \
     }
 /* unmasked loads and stores: the layers' load16/store16 with a full mask here made 8-row attention 1.4x slower (gcc
  * keeps the masked forms in this inner loop; 109 -> 155 us bf16, 131 -> 192 us float32, 1,000 keys) */
@@ -243,16 +286,148 @@ static inline __m512 scores_f32(const float *q, const float *kh, long r0, long u
     return top;
 }
 
+static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
+
+/* ---- keys in lanes: the path for blocks of few query rows (AR: G rows a KV head, 3 of 16 lanes busy above) ----
+ * The same numbers as the queries-in-lanes path, bit for bit: a lane's vdpbf16ps (or fused multiply-add) chain over d
+ * in order is the same whichever operand is broadcast, max is exact, each row's total is summed in key order, and the
+ * values pass is the same. Keys are transposed in registers 16 at a time; row l's scores go to sc[l * S + s].
+ * Measured with the values pass's row count a constant, 2,048 keys, hot, one thread: 3 rows 28 against 55 us, 6 rows 45
+ * against 61; 30 cold layers, 2 threads, 3 rows: 4.0 against 5.0 ms. Beyond 8 rows a full block of 16 lanes wins. */
+#define KIL_ROWS 8  /* rows a block at most on this path */
+
+/* 16 x 16 32-bit elements transposed in registers: lane j of r[i] becomes lane i of r[j] */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: element c of rows 4i .. 4i+3 in r[4i + c] */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  /* then the 4 x 4 transpose of 128-bit lanes */
+        t[c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+        t[8 + c] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xdd);
+    }
+}
+
+/* row l's 16 scores of keys s0 .. s0+15 (lanes past S unused): scaled, unseen new keys -> -inf (keep_score's), stored
+ * to its row of sc; its running max updated */
+static inline void keep_scores_row(float *scl, long s0, long S, long start, const __mmask16 *sees_new, long l,
+                                   __m512 acc, float scale, __m512 *top) {
+    __m512 x = _mm512_mul_ps(acc, _mm512_set1_ps(scale));
+    __mmask16 live = tail(S, s0), unseen = 0;
+    for (long j = s0 < start ? start - s0 : 0; j < 16 && s0 + j < S; j++)
+        if (!((sees_new[s0 + j - start] >> l) & 1)) unseen |= (__mmask16)(1u << j);
+    x = _mm512_mask_blend_ps(unseen, x, _mm512_set1_ps(-INFINITY));
+    _mm512_mask_storeu_ps(scl + s0, live, x);
+    *top = _mm512_mask_max_ps(*top, live, *top, x);
+}
+
+/* KEY_ROWS(NAME, TYPE, W, DOT): rows r0 .. r0+used of KV head kvh against every key, keys in lanes; W elements of TYPE
+ * per 32-bit transposed element (bf16: a pair, as vdpbf16ps takes them; float32: one); top[l]: row l's max */
+#define KEY_ROWS(NAME, TYPE, W, DOT)                                                                               \
+    static inline __attribute__((always_inline)) void NAME##_n(const TYPE *q, const TYPE *kh, long r0,             \
+        const long used, long G, long Hq, long kvh, long D, long S, long start, const __mmask16 *sees_new,         \
+        float scale, float *sc, float *top) {                                                                      \
+        const uint32_t *qr[KIL_ROWS];                                                                              \
+        __m512 tops[KIL_ROWS];                                                                                     \
+        for (long l = 0; l < used; l++) {                                                                          \
+            long r = r0 + l, t = r / G, h = kvh * G + r % G;                                                       \
+            qr[l] = (const uint32_t *)(q + (t * Hq + h) * D);                                                      \
+            tops[l] = _mm512_set1_ps(-INFINITY);                                                                   \
+        }                                                                                                          \
+        for (long s0 = 0; s0 < S; s0 += 16) {                                                                      \
+            long nk = S - s0 < 16 ? S - s0 : 16;                                                                   \
+            __m512 acc[KIL_ROWS];                                                                                  \
+            for (long l = 0; l < used; l++) acc[l] = _mm512_setzero_ps();                                          \
+            for (long c = 0; c < D / (16 * W); c++) {                                                              \
+                __m512i r[16];                                                                                     \
+                for (long j = 0; j < 16; j++)                                                                      \
+                    r[j] = j < nk ? _mm512_loadu_si512(kh + (s0 + j) * D + c * 16 * W) : _mm512_setzero_si512();   \
+                transpose16(r);                                                                                    \
+                for (long e = 0; e < 16; e++)                                                                      \
+                    for (long l = 0; l < used; l++) acc[l] = DOT(acc[l], r[e], qr[l][c * 16 + e]);                 \
+            }                                                                                                      \
+            for (long l = 0; l < used; l++)                                                                        \
+                keep_scores_row(sc + l * S, s0, S, start, sees_new, l, acc[l], scale, &tops[l]);                   \
+        }                                                                                                          \
+        for (long l = 0; l < used; l++) top[l] = _mm512_reduce_max_ps(tops[l]);                                   \
+    }                                                                                                              \
+    /* one body per row count, so the rows' accumulators stay in registers */                                      \
+    static void NAME(const TYPE *q, const TYPE *kh, long r0, long used, long G, long Hq, long kvh, long D, long S,  \
+                     long start, const __mmask16 *sees_new, float scale, float *sc, float *top) {                  \
+        switch (used) {                                                                                            \
+        case 1: NAME##_n(q, kh, r0, 1, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        case 2: NAME##_n(q, kh, r0, 2, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        case 3: NAME##_n(q, kh, r0, 3, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        case 4: NAME##_n(q, kh, r0, 4, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        case 5: NAME##_n(q, kh, r0, 5, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        case 6: NAME##_n(q, kh, r0, 6, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        case 7: NAME##_n(q, kh, r0, 7, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
+        default: NAME##_n(q, kh, r0, 8, G, Hq, kvh, D, S, start, sees_new, scale, sc, top);                        \
+        }                                                                                                          \
+    }
+static inline __m512 dot_pair_bf16(__m512 acc, __m512i k, uint32_t q) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)k, (__m512bh)_mm512_set1_epi32(q));
+}
+static inline __m512 dot_f32(__m512 acc, __m512i k, uint32_t q) {
+    float f;
+    __builtin_memcpy(&f, &q, 4);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(k), _mm512_set1_ps(f), acc);
+}
+KEY_ROWS(key_rows_bf16, uint16_t, 2, dot_pair_bf16)
+KEY_ROWS(key_rows_f32, float, 1, dot_f32)
+
+/* softmax of each row in place (softmax_lanes' numbers: exp per key, unseen keys -> 0, each row's total summed in key
+ * order, 4 rows side by side); inv[l]: 1 / row l's total */
+static inline void softmax_key_rows(float *sc, long S, long used, const float *top, float *inv) {
+    for (long l = 0; l < used; l++)
+        for (long s0 = 0; s0 < S; s0 += 16) {
+            __mmask16 m = tail(S, s0);
+            __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, sc + l * S + s0);
+            __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top[l]))));
+            _mm512_mask_storeu_ps(sc + l * S + s0, m, e);
+        }
+    for (long l0 = 0; l0 < used; l0 += 4) {
+        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+        const float *e = sc + l0 * S;
+        long n = used - l0 < 4 ? used - l0 : 4;
+        for (long s = 0; s < S; s++) {
+            t0 += e[s];
+            if (n > 1) t1 += e[S + s];
+            if (n > 2) t2 += e[2 * S + s];
+            if (n > 3) t3 += e[3 * S + s];
+        }
+        float t[4] = {t0, t1, t2, t3};
+        for (long j = 0; j < n; j++) inv[l0 + j] = 1.0f / t[j];
+    }
+}
+
 /* Attention of T new query rows over a head-major KV cache whose slots [0, start + T) hold the prefix and the new
  * tokens: row t sees every prefix slot and the new slots j with mask[t, j] (mask NULL: T == 1, the row sees itself).
  *
  * Per KV head, its G * T query rows (t, g) go 16 to a block, one per lane: the block's scores (SCORES, no horizontal
  * sums), softmax in float32 across keys per lane, then each row's weighted sum of values (VALUES). Each lane does the
- * same operations in the same order whatever shares its block.
+ * same operations in the same order whatever shares its block. A block of at most KIL_ROWS rows takes the keys-in-lanes
+ * path (KEY_ROWS_FN, softmax_key_rows), which gives each row the same numbers bit for bit.
  *
  * q, out: [T, Hq, D]; k, v: [Hkv, cap, D] (TYPE: bf16 as uint16, or float); mask: [T, T] bytes or NULL; scratch:
  * Hkv * ceil(G*T/16) * (start + T) * 16 float32. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
-#define ATTEND(NAME, TYPE, SCORES, VALUES)                                                                         \
+#define ATTEND(NAME, TYPE, SCORES, KEY_ROWS_FN, VALUES)                                                    \
     void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,       \
               long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                   \
         long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                 \
@@ -263,18 +438,24 @@ static inline __m512 scores_f32(const float *q, const float *kh, long r0, long u
             float *sc = scratch + item * S * 16;                                                                   \
             __mmask16 sees_new[T];                                                                                 \
             lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                      \
-            __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, S, start, sees_new, scale, sc);                    \
             float inv[16];                                                                                         \
-            softmax_lanes(sc, S, top, inv);                                                                        \
-            if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64); /* constant D: registers */        \
-            else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128);                             \
-            else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D);                                             \
+            long ss = 16, ls = 1; /* where row l's probability of key s is: sc[s * ss + l * ls] */                 \
+            if (used <= KIL_ROWS) {                                                                                \
+                float top[KIL_ROWS];                                                                               \
+                KEY_ROWS_FN(q, kh, r0, used, G, Hq, kvh, D, S, start, sees_new, scale, sc, top);                   \
+                softmax_key_rows(sc, S, used, top, inv);                                                           \
+                ss = 1, ls = S;                                                                                    \
+            } else {                                                                                               \
+                __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, S, start, sees_new, scale, sc);                \
+                softmax_lanes(sc, S, top, inv);                                                                    \
+            }                                                                                                      \
+            if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64, ss, ls); /* constant D: registers */\
+            else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128, ss, ls);                     \
+            else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D, ss, ls);                                     \
         }                                                                                                          \
     }
-ATTEND(attend_bf16, uint16_t, scores_bf16, weighted_values_bf16)
-ATTEND(attend_f32, float, scores_f32, weighted_values_f32)
-
-static inline __mmask16 tail(long n, long i) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
+ATTEND(attend_bf16, uint16_t, scores_bf16, key_rows_bf16, weighted_values_bf16)
+ATTEND(attend_f32, float, scores_f32, key_rows_f32, weighted_values_f32)
 
 /* softmax of one row's S scores in place (keys in lanes: unseen keys -> 0, summed 16 keys side by side, then
  * across lanes); returns 1 / the total */

@@ -37,6 +37,17 @@ def test_gemv_bf16_is_the_exact_product_rounded_once(M, N, K, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("N", [16, 97, 4100])  # 1, 7 (odd: one block streams alone) and 257 column blocks
+def test_gemv_bf16_row_alone_equals_the_row_among_others(N):
+    """A row alone (two column blocks streamed at once) gets the values it gets in a pass of 5 rows, bit for bit."""
+    x, w, b = _operands(5, N, 576, bias=True, seed=N)
+    packed = kernels.pack(w)
+    rows = kernels.gemv(x, packed, N, b)
+    for m in range(5):
+        assert torch.equal(kernels.gemv(x[m : m + 1], packed, N, b), rows[m : m + 1])
+
+
+@needs_kernels
 @pytest.mark.parametrize("M,N,K", [(1, 16, 32), (1, 97, 47), (2, 64, 576), (3, 7, 100), (1, 4100, 1536), (9, 40, 20),
                                    (17, 33, 64)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -180,7 +191,8 @@ def test_wide_attention_matches_the_reference_and_rows_are_independent(T, dtype,
 @pytest.mark.parametrize("start", [40, 509, 1022, 1535])
 def test_attention_row_is_the_same_alone_or_beside_another(dtype, start):
     """A chain of 4 new rows (a verify) gives each row exactly what it gets alone once its ancestors are committed (an
-    AR step), at short and long contexts (across 512, 1024 and 1536 keys); and the same on one thread."""
+    AR step), at short and long contexts (across 512, 1024 and 1536 keys); and the same on one thread. The chain's 12
+    rows a KV head take the queries-in-lanes path, a row alone (3 a KV head) the keys-in-lanes one."""
     k, v = _cache(3, start + 8, 64, seed=3, dtype=dtype)
     q = torch.randn(4, 9, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
     chain = torch.ones(4, 4, dtype=torch.bool).tril()
