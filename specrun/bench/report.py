@@ -165,10 +165,18 @@ def annotate_divergences(report: dict, measurements: list[Measurement], check) -
 
 
 def add_roofline(report: dict, roof: dict) -> None:
-    """report["roofline"]: the step's bytes and measured bandwidth (roofline.roofline), and each AR run's share of it."""
-    from specrun.bench.roofline import share
+    """report["roofline"]: the step's bytes and measured bandwidth (roofline.roofline), and each AR run's share of it:
+    per repeat against the probes around it where they bracket the repeats (NAME_shares; NAME_share their median),
+    else its median tok/s against the median probe."""
+    from specrun.bench.roofline import repeat_shares, share
 
-    shares = {f"{r['name']}_share": share(roof, r["tokens_per_s"]) for r in report["runs"] if r["name"] in BASELINES}
+    shares = {}
+    for r in report["runs"]:
+        if r["name"] in BASELINES:
+            each = repeat_shares(roof, r["tokens_per_s_all"])
+            shares[f"{r['name']}_share"] = _median(each) if each else share(roof, r["tokens_per_s"])
+            if each:
+                shares[f"{r['name']}_shares"] = each
     report["roofline"] = {**roof, **shares}
 
 
@@ -251,8 +259,10 @@ def render(report: dict, console) -> None:
     if roof:
         mb = (roof["weight_bytes"] + roof["kv_bytes"]) / 1e6
         parts = [f"{name[: -len('_share')]} {v:.0%}" for name, v in roof.items() if name.endswith("_share") and v]
+        probes = roof.get("bandwidth_probes") or []
         console.print(f"memory roofline: {mb:.0f} MB read per token (weights + KV at {roof['mean_context']} keys) at "
-                      f"{roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s measured = {1 / roof['min_seconds_per_token']:.1f}"
+                      f"{roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s measured (median of "
+                      f"{', '.join(f'{b / 1e9:.1f}' for b in probes)}) = {1 / roof['min_seconds_per_token']:.1f}"
                       f" tok/s at most for AR; reached: {', '.join(parts) or '-'}")
     for n in report.get("notes", []):
         console.print(f"note: {n}")

@@ -1,11 +1,13 @@
 """The memory roofline of one decode step: bytes a token must read (weights + KV) over the device's measured bandwidth.
 
-roofline(lm, context) -> dict; a plain AR step can be no faster than bytes / bandwidth, so AR's share of it is its
-tok/s x bytes / bandwidth.
+roofline(lm, context, probes) -> dict; a plain AR step can be no faster than bytes / bandwidth, so AR's share of it is
+its tok/s x bytes / bandwidth, each repeat against the probes taken just before and after it (a shared host's
+bandwidth moves by 2x within minutes).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -40,15 +42,27 @@ def step_weight_bytes(lm) -> int:
     return total
 
 
-def roofline(lm, mean_context: int) -> dict:
-    """Weights and KV read per token at `mean_context` keys, the measured bandwidth, and the step time they bound."""
+def roofline(lm, mean_context: int, probes: list[float] | None = None) -> dict:
+    """Weights and KV read per token at `mean_context` keys, the bandwidth (the median of `probes`, read_bandwidth's
+    results taken around the runs; one probe now if none), and the step time they bound."""
     weights = step_weight_bytes(lm)
     kv = kv_bytes_per_token(lm.model.config, lm.dtype) * mean_context
-    bandwidth = read_bandwidth(lm.device)
+    probes = list(probes) if probes else [read_bandwidth(lm.device)]
+    bandwidth = statistics.median(probes)
     return {"weight_bytes": weights, "kv_bytes": kv, "mean_context": mean_context, "bandwidth_bytes_per_s": bandwidth,
-            "min_seconds_per_token": (weights + kv) / bandwidth}
+            "bandwidth_probes": probes, "min_seconds_per_token": (weights + kv) / bandwidth}
 
 
 def share(roof: dict, tokens_per_s: float | None) -> float | None:
     """What fraction of the roofline a run of tokens_per_s reaches (1.0 = every step reads at full bandwidth)."""
     return None if not tokens_per_s else roof["min_seconds_per_token"] * tokens_per_s
+
+
+def repeat_shares(roof: dict, tokens_per_s: list[float]) -> list[float] | None:
+    """Each repeat's share against the mean of the probes before and after it (probes: one more than repeats), or
+    None where the probes do not bracket the repeats."""
+    probes = roof["bandwidth_probes"]
+    if len(probes) != len(tokens_per_s) + 1:
+        return None
+    seconds = roof["min_seconds_per_token"] * roof["bandwidth_bytes_per_s"]  # bytes a token
+    return [seconds * 2 / (probes[i] + probes[i + 1]) * t for i, t in enumerate(tokens_per_s)]

@@ -259,9 +259,11 @@ def bench_params(params: SamplingParams, n: int) -> SamplingParams:
 
 
 def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned, settings: BenchSettings,
-              log: Callable[[str], None] = lambda m: None) -> list[Measurement]:
+              log: Callable[[str], None] = lambda m: None, between: Callable[[], None] = lambda: None
+              ) -> list[Measurement]:
     """Every planned configuration `repeat` times, interleaved (the order rotates each repeat); warm-up untimed. With
     settings.lockstep a repeat's specrun runs go first, in lockstep (run_lockstep), then its HF runs one by one.
+    `between` runs before the first repeat and after each (untimed: the bench's bandwidth probes).
 
     params.max_tokens is overridden by settings.max_tokens and stop rules are off so every run has the same length.
     """
@@ -278,6 +280,7 @@ def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned,
         for spec, target in planned:
             once(spec, target, warm, ())
     out: list[Measurement] = []
+    between()
     for r in range(settings.repeat):
         k = r % len(planned)
         order = planned[k:] + planned[:k]
@@ -290,4 +293,5 @@ def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned,
             toks, seconds, at, stats = done.get(spec.name) or once(spec, target, params, settings.lengths)
             out.append(Measurement(spec.name, r, toks, seconds, at, stats))
             log(f"repeat {r + 1}/{settings.repeat} {spec.name}: {len(toks)} tokens, {len(toks) / seconds:.1f} tok/s")
+        between()
     return out

@@ -132,8 +132,12 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
     def log(msg: str) -> None:
         click.echo(msg, err=True)
 
+    from specrun.bench.roofline import read_bandwidth, roofline
+
+    probes: list[float] = []  # the host's bandwidth before the first repeat and after each
     try:
-        ms = run_bench(lm, hf_lm, prompt_ids, params, planned, settings, log=log)
+        ms = run_bench(lm, hf_lm, prompt_ids, params, planned, settings, log=log,
+                       between=lambda: probes.append(read_bandwidth(lm.device)))
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     meta = {"model": lm.path, "fingerprint": lm.fingerprint, "device": str(lm.device), "dtype": dtype,
@@ -147,9 +151,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
     run_params = bench_params(params, n)  # as run_bench ran them
     annotate_divergences(report, ms, lambda ref, toks: check_divergence(lm, prompt_ids, run_params, ref, toks,
                                                                                base.prefill_chunk))
-    from specrun.bench.roofline import roofline
-
-    add_roofline(report, roofline(lm, len(prompt_ids) + n // 2))  # measured after the runs: they run undisturbed
+    add_roofline(report, roofline(lm, len(prompt_ids) + n // 2, probes))
     if as_json:
         click.echo(json.dumps(report))
     else:

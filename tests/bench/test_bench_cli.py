@@ -194,10 +194,33 @@ def test_bench_concurrency_rejects_bad_levels(tiny_models):
     assert res.exit_code == 2 and "--concurrency" in res.output
 
 
-def test_bench_reports_the_memory_roofline(tiny_models):
-    report = _bench(tiny_models["llama_gqa"], "--runs", "specrun_ar,specrun_spec")
+def test_bench_reports_the_memory_roofline_per_repeat_between_probes(tiny_models, monkeypatch):
+    """A probe before the first repeat and after each; each repeat's AR share against the mean of the two around it,
+    the reported share their median, the bandwidth the probes' median."""
+    import specrun.bench.roofline as roofline
+
+    readings = iter([10e9, 30e9, 20e9, 50e9])  # the host's bandwidth moving between repeats
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda device, **k: next(readings))
+    report = _bench(tiny_models["llama_gqa"], "--runs", "specrun_ar,specrun_spec", "--repeat", "3")
     roof = report["roofline"]
-    assert roof["bandwidth_bytes_per_s"] > 0 and roof["weight_bytes"] > 0 and roof["kv_bytes"] > 0
+    assert roof["bandwidth_probes"] == [10e9, 30e9, 20e9, 50e9] and roof["bandwidth_bytes_per_s"] == 25e9
+    assert roof["weight_bytes"] > 0 and roof["kv_bytes"] > 0
+    per_token = roof["weight_bytes"] + roof["kv_bytes"]
+    assert abs(roof["min_seconds_per_token"] - per_token / 25e9) < 1e-15
     ar = next(r for r in report["runs"] if r["name"] == "specrun_ar")
-    assert abs(roof["specrun_ar_share"] - roof["min_seconds_per_token"] * ar["tokens_per_s"]) < 1e-9
+    want = [per_token / bw * t for bw, t in zip([20e9, 25e9, 35e9], ar["tokens_per_s_all"])]
+    assert roof["specrun_ar_shares"] == pytest.approx(want, rel=1e-12)
+    assert roof["specrun_ar_share"] == pytest.approx(sorted(want)[1], rel=1e-12)
     assert "specrun_spec_share" not in roof  # a share of the roofline means something for one token a step only
+
+
+def test_the_roofline_without_bracketing_probes_is_the_median_runs_against_one_probe(tiny_models):
+    from specrun.bench.report import add_roofline
+    from specrun.bench.roofline import roofline
+    from specrun.models.loader import load_model
+
+    roof = roofline(load_model(tiny_models["llama_gqa"], dtype="float32"), 10, [40e9])  # one probe, two repeats
+    report = {"runs": [{"name": "specrun_ar", "tokens_per_s": 100.0, "tokens_per_s_all": [90.0, 110.0]}]}
+    add_roofline(report, roof)
+    assert report["roofline"]["specrun_ar_share"] == pytest.approx(roof["min_seconds_per_token"] * 100.0)
+    assert "specrun_ar_shares" not in report["roofline"]
