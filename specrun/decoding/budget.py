@@ -19,6 +19,10 @@ COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's first observation replaces it: explore,
 # then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
+STAY_MARGIN = 0.08  # the width in use keeps its place unless another beats it by this much: costs are minima over
+# windows of different ages, so while the host slows the width in use looks dearer than widths timed in a quieter spell
+# (smollm2 sampled, 2,048 tokens: rates of widths 3-8 within ~10% of each other, and the tuner wandering among them
+# ran 1.26 / 1.42 / 1.26x AR where a fixed width 6 ran 1.33 / 1.47 / 1.39x side by side)
 
 
 def candidate_widths(max_budget: int, fine: bool = False) -> list[int]:
@@ -50,6 +54,7 @@ class BudgetTuner:
         self._ar_gap = EXPLORE_EVERY_AR  # steps from one wider step to the next while width 1 wins
         self._ar_next = EXPLORE_EVERY_AR  # the step of the next one
         self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
+        self._held: int | None = None  # index of the width in use (the last choice that was not exploring)
 
     def estimated_cost(self, w: int) -> float | None:
         """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
@@ -76,6 +81,9 @@ class BudgetTuner:
         for rate, i in rates[1:]:
             if rate > best_rate * (1 + WIDER_MARGIN):
                 best_rate, best = rate, i
+        if self._held is not None and rates[self._held][0] * (1 + STAY_MARGIN) >= best_rate:
+            best = self._held
+        self._held = best
         if best == 0:  # plain AR wins: one wider step now and then, less often each time (it costs more than it finds)
             if self.step < self._ar_next:
                 return self.widths[0]

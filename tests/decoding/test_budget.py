@@ -2,8 +2,8 @@
 
 import pytest
 
-from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR, WIDER_MARGIN,
-                                     BudgetTuner, candidate_widths)
+from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR, STAY_MARGIN,
+                                     WIDER_MARGIN, BudgetTuner, candidate_widths)
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.sampling import SamplingParams
 
@@ -67,6 +67,26 @@ def test_no_width_is_costed_below_plain_ar():
     assert t.cost == {1: 1.2, 2: 0.9, 4: 0.95}
     assert t.estimated_cost(2) == t.estimated_cost(4) == 1.2
     assert [t.choose() for _ in range(EXPLORE_EVERY_AR - 2)] == [1] * (EXPLORE_EVERY_AR - 2)
+
+
+def test_the_width_in_use_keeps_its_place_unless_another_beats_it_by_the_stay_margin():
+    """A slow spell lifts the cost of the width in use while a rival keeps the minimum of a quieter spell: a rival
+    ahead by less than the margin does not take over; one ahead by more does."""
+    t = BudgetTuner(8, narrow_bounds=False)
+    for w, seconds in ((1, 1.0), (1, 1.0), (2, 1.6), (2, 1.6), (3, 2.2), (3, 2.2), (4, 2.8), (4, 2.8), (6, 3.6),
+                       (6, 3.6), (8, 6.0), (8, 6.0)):
+        t.observe(w, [1, 2, 3, 4, 5] if w == 8 else list(range(1, w)), seconds)  # every drafted node accepted
+    for _ in range(50):
+        t.observe(6, [1, 2, 3, 4, 5], 3.6)  # width 6: 6 tokens for 3.6 s; width 4: 4 for 2.8
+    assert t.choose() == 6
+    for _ in range(COST_WINDOW):
+        t.observe(6, [1, 2, 3, 4, 5], 4.33)  # a slow spell: width 4's minimum (a quieter spell's) now leads by 3%
+    assert 0 < (4 / 2.8) / (6 / 4.33) - 1 < STAY_MARGIN
+    assert [t.choose() for _ in range(EXPLORE_EVERY - 2)].count(6) >= EXPLORE_EVERY - 3  # (one step explores width 8)
+    for _ in range(COST_WINDOW):
+        t.observe(6, [1, 2, 3, 4, 5], 4.7)  # slower still: width 4 leads by 12%
+    assert (4 / 2.8) / (6 / 4.7) - 1 > STAY_MARGIN
+    assert [t.choose() for _ in range(3)] == [6, 4, 4]  # (the first explores the next wider: 6)
 
 
 def test_a_stale_slow_width_does_not_hold_back_the_wider_ones():
