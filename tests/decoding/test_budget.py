@@ -177,6 +177,22 @@ def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss
     assert explored.count(1) == EXPLORE_EVERY_AR - 1  # then one wider step in EXPLORE_EVERY_AR
 
 
+def test_the_hold_never_keeps_a_width_against_plain_ar_once_drafts_miss():
+    """Drafts hit, then every one misses, and a wider step costs only 5% more than a plain one (under the stay
+    margin): the width in use is not held against plain AR, which takes over once the acceptance estimate (an EMA
+    from ~3 tokens) says drafting no longer pays, ~35 steps, as it did before the hold (held, it never did)."""
+    t = BudgetTuner(8)
+    picks = []
+    for step in range(400):
+        w = t.choose()
+        hit = step < 200
+        t.observe(w, list(range(1, min(w, 4))) if hit else [], 1.0 if w == 1 else 1.05)
+        if not hit:
+            picks.append(w)
+    first = picks.index(1)
+    assert first <= 40 and sum(w > 1 for w in picks[first:]) <= 4, picks  # after it only AR's rare exploring steps
+
+
 @pytest.mark.parametrize("slow_steps", [1, 2])
 def test_a_cold_first_step_does_not_keep_a_width_out(slow_steps):
     """Width 1's first step paid one-off set-up (57 against 34 ms): it is timed again, and re-timed every
