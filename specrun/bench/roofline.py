@@ -64,5 +64,5 @@ def repeat_shares(roof: dict, tokens_per_s: list[float]) -> list[float] | None:
     probes = roof["bandwidth_probes"]
     if len(probes) != len(tokens_per_s) + 1:
         return None
-    seconds = roof["min_seconds_per_token"] * roof["bandwidth_bytes_per_s"]  # bytes a token
-    return [seconds * 2 / (probes[i] + probes[i + 1]) * t for i, t in enumerate(tokens_per_s)]
+    per_token = roof["weight_bytes"] + roof["kv_bytes"]
+    return [per_token * 2 / (probes[i] + probes[i + 1]) * t for i, t in enumerate(tokens_per_s)]

@@ -19,11 +19,11 @@ COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's first observation replaces it: explore,
 # then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
-STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against
-# plain AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back at once): costs are minima over
-# windows of different ages, so while the host slows the width in use looks dearer than widths timed in a quieter spell
-# (smollm2 sampled, 2,048 tokens: rates of widths 3-8 within ~10% of each other, and the tuner wandering among them
-# ran 1.26 / 1.42 / 1.26x AR where a fixed width 6 ran 1.33 / 1.47 / 1.39x side by side)
+STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against plain
+# AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back as before). Costs are minima
+# over windows of different ages, so while the host slows the width in use looks dearer than widths timed in a quieter
+# spell (smollm2 sampled, 2,048 tokens: rates of widths 3-8 within ~10% of each other, and the tuner wandering among
+# them ran 1.26 / 1.42 / 1.26x AR where a fixed width 6 ran 1.33 / 1.47 / 1.39x side by side)
 
 
 def candidate_widths(max_budget: int, fine: bool = False) -> list[int]:

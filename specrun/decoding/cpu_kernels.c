@@ -68,11 +68,14 @@ BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
     }
 
 /* The product over column blocks (split across threads) and passes of up to ROWS input rows; p: [ceil(N/16), K * 16]
- * weights packed by cpu_kernels.py; b float32 or NULL. Every output is its column's products summed in k order, then
- * the bias: a row's result does not depend on M or the thread count. */
+ * weights packed by cpu_kernels.py; b float32 or NULL. One row goes to PREFIX##_row where that takes it (returns 1).
+ * Every output is its column's products summed in k order, then the bias: a row's result does not depend on M or the
+ * thread count. */
 #define GEMV(NAME, TYPE, PREFIX)                                                                                   \
     void NAME(const TYPE *x, const TYPE *p, const float *b, TYPE *y, long M, long N, long K, int threads) {        \
         int blocks = (N + 15) / 16;                                                                                \
+        if (M == 1 && PREFIX##_row(x, p, b, y, N, K, threads))                                                     \
+            return;                                                                                                \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
         for (int nb = 0; nb < blocks; nb++) {                                                                      \
             const TYPE *pb = p + (long)nb * 16 * K;                                                                \
@@ -99,27 +102,21 @@ static inline __attribute__((always_inline)) void block_two(const uint16_t *x, c
     store_block_bf16(&a1, 1, b, y, N, nb);
 }
 
-/* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), W packed as above (K even), each column's pairs in order,
- * rounded to bf16 once. Column blocks split across threads; one row: block_two, more: passes of up to ROWS rows. */
-void gemv_bf16(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K, int threads) {
-    int blocks = (N + 15) / 16;
-    if (M == 1) {
-        int half = (blocks + 1) / 2;
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")
-        for (int i = 0; i < half; i++) {
-            int j = i + half;
-            if (j < blocks) block_two(x, p + (long)i * 16 * K, p + (long)j * 16 * K, b, y, N, K, i * 16, j * 16);
-            else block_1(x, p + (long)i * 16 * K, b, y, N, K, i * 16);
-        }
-        return;
-    }
+/* one row of gemv_bf16: column blocks i and i + half (block_two), split across threads */
+static int block_row(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long N, long K, int threads) {
+    int blocks = (N + 15) / 16, half = (blocks + 1) / 2;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int nb = 0; nb < blocks; nb++) {
-        const uint16_t *pb = p + (long)nb * 16 * K;
-        for (long m = 0; m < M; m += ROWS)
-            ROW_PASS(block, M - m < ROWS ? M - m : ROWS, x + m * K, pb, b, y + m * N, N, K, nb * 16)
+    for (int i = 0; i < half; i++) {
+        int j = i + half;
+        if (j < blocks) block_two(x, p + (long)i * 16 * K, p + (long)j * 16 * K, b, y, N, K, i * 16, j * 16);
+        else block_1(x, p + (long)i * 16 * K, b, y, N, K, i * 16);
     }
+    return 1;
 }
+
+/* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), W packed as above (K even), each column's pairs in order,
+ * rounded to bf16 once */
+GEMV(gemv_bf16, uint16_t, block)
 
 /* float32 weights packed as [ceil(N/16), K, 16]: input k's weights for a block's 16 output columns are one 64-byte
  * load, multiplied into all rows' accumulators against a broadcast x[m, k] (fused multiply-add, k in order). */
@@ -140,6 +137,11 @@ void gemv_bf16(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y
         }                                                                                                          \
     }
 BLOCK32(1) BLOCK32(2) BLOCK32(3) BLOCK32(4) BLOCK32(5) BLOCK32(6) BLOCK32(7) BLOCK32(8)
+
+/* float32 keeps one row in the passes below (two streams not measured for it) */
+static inline int block32_row(const float *x, const float *p, const float *b, float *y, long N, long K, int threads) {
+    return 0;
+}
 
 /* y[M, N] = x[M, K] W^T (+ b[N]) in float32, W packed as above, each column's products fused-added in k order */
 GEMV(gemv_f32, float, block32)
