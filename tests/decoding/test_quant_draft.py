@@ -244,7 +244,7 @@ def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model
 
 @needs_kernels
 @pytest.mark.parametrize("start", [0, 17, 255, 256, 700])
-@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("T", [1, 2, 3, 17])  # 3 query heads a KV head: blocks of 3, 6, 9 and 16 + 3 rows
 @pytest.mark.parametrize("Hq,Hkv,D", [(6, 2, 64), (4, 4, 32), (16, 2, 128)])
 def test_the_drafters_int8_attention_is_the_plain_one_up_to_its_codes(start, T, Hq, Hkv, D):
     """decode_layers_q4 attends an int8 copy of the cache (u8 queries against K codes, int16 probabilities against V
