@@ -288,3 +288,51 @@ def test_the_first_shadow_replaces_the_lower_bounds_narrow_steps_left_on_wider_w
     assert t.accepted[8] == pytest.approx(8.0) and t.accepted[4] == pytest.approx(4.0)
     t.observe_shadow([[1, 2, 3]])  # later shadows average in as before
     assert t.accepted[8] == pytest.approx(6.0)
+
+
+def _chain_step(t: BudgetTuner, width: int, path: list[int], rest: float, per: float) -> None:
+    """A chain step of `width` nodes (width - 1 drafted tokens, a forward each) that cost rest + its drafting."""
+    drafting = (width - 1) * per
+    t.observe(width, path, rest + drafting, width, (width - 1, drafting))
+
+
+def test_a_chain_learns_one_acceptance_rate_from_the_steps_of_every_width():
+    """Width 4's steps alone (3 drafted tokens: all kept, then 1 kept and a miss, in turn: 4 kept for 1 missed) give
+    every chain width its tokens a step, a = 0.8: 1 + a + ... + a^(w-1), width 8's included, never verified."""
+    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    for i in range(600):
+        _chain_step(t, 4, [1, 2, 3] if i % 2 else [1], 1.0, 0.1)
+    for w in (2, 4, 8, 16):
+        assert t.accepted[w] == pytest.approx((1 - 0.8**w) / 0.2, rel=0.01)
+
+
+def test_a_chain_widths_costs_follow_the_latest_drafting_steps_together():
+    """Every chain width costs the rest of a step plus a forward per drafted token, from the latest steps of any
+    width (the first drafting step, which pays one-off set-up, left out): a slow spell moves them all together, so
+    the width in use keeps its place."""
+    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    t.observe(1, [], 1.0)
+    t.observe(1, [], 1.0)
+    _chain_step(t, 2, [1], 1.2, 50.0)  # set-up: not a cost
+    for _ in range(COST_WINDOW):
+        _chain_step(t, 6, [1, 2, 3, 4, 5], 1.2, 0.4)
+    assert [t.cost[w] for w in (2, 4, 6, 8, 16)] == pytest.approx([1.6, 2.4, 3.2, 4.0, 7.2])
+    before = [t.choose() for _ in range(EXPLORE_EVERY - 2)]
+    for _ in range(COST_WINDOW):
+        _chain_step(t, 6, [1, 2, 3, 4, 5], 1.2 * 1.5, 0.4 * 1.5)  # a slow spell: everything takes 1.5x as long
+    assert t.cost[8] == pytest.approx(6.0)
+    after = [t.choose() for _ in range(EXPLORE_EVERY - 2)]
+    assert max(set(before), key=before.count) == max(set(after), key=after.count) > 1
+
+
+def test_a_chain_whose_drafts_stop_paying_falls_back_to_plain_steps():
+    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    t.observe(1, [], 1.0)
+    t.observe(1, [], 1.0)
+    for _ in range(40):
+        _chain_step(t, 6, [1, 2, 3, 4, 5], 1.1, 0.3)  # 6 tokens for 2.6 s
+    assert t.choose() > 1
+    for _ in range(300):  # sampled text: the chain's drafts now miss at once
+        _chain_step(t, 6, [], 1.1, 0.3)
+    assert t.accepted[6] < 1.1
+    assert [t.choose() for _ in range(10)].count(1) >= 9
