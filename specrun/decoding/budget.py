@@ -21,7 +21,7 @@ PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's firs
 # then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
 CHAIN_DECAY = 0.01  # a chain's acceptance rate: counts of its drafted tokens accepted and missed, each step's weight
 # this much below the next one's (a memory of ~100 steps)
-CHAIN_PRIOR = (3.0, 1.0)  # counts a rate starts from (0.75): a first miss alone does not decide it
+CHAIN_PRIOR = (3.0, 1.0)  # counts it starts from (a rate of 0.75): a first miss alone does not decide it
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
 STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against plain
 # AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back as before). Costs are minima
@@ -60,14 +60,12 @@ class BudgetTuner:
         self._ar_next = EXPLORE_EVERY_AR  # the step of the next one
         self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
         self._held: int | None = None  # index of the width in use (the last choice that was not exploring)
-        self.chain = chain  # widths from 2 up to this: a chain drafter's, modelled by _model_chain
-        self._rest = deque(maxlen=COST_WINDOW)  # recent chain widths' step seconds but for their drafting
+        self.chain = chain  # widths from 2 up to this: a chain drafter's, costed by _model_chain
+        self._rest = deque(maxlen=COST_WINDOW)  # recent chain steps' seconds but for their drafting
         self._per = deque(maxlen=COST_WINDOW)  # ... and their drafting seconds per drafted token
         self._rows = {w: deque(maxlen=COST_WINDOW) for w in self.widths}  # a width's rest over the recent minimum
-        self._drafted = False  # whether a chain step was seen (its cost is not one)
-        self._kept = [list(CHAIN_PRIOR), list(CHAIN_PRIOR)]  # decayed counts of drafted tokens kept and missed: the
-        # chain's, the n-gram copy's
-        self._mix = [0.0, 1.0]  # decayed counts of copy steps and chain steps
+        self._drafted = False  # whether a drafting step was seen (its cost is not one)
+        self._chain = list(CHAIN_PRIOR)  # decayed counts of the chain's drafted tokens accepted, and missed
 
     def estimated_cost(self, w: int) -> float | None:
         """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
@@ -135,54 +133,53 @@ class BudgetTuner:
         wider = self.widths if bounds else [w for w in self.widths if w <= used]
         size = used if nodes is None else nodes
         timed = next(w for w in self.widths if w >= size)
-        if self.chain:  # its widths are modelled (_model_chain), wider ones measured as a trie's
+        if self.chain:  # its widths are modelled from the chain's own steps (a step the n-gram copy drafted is not one)
+            chained = 0 if drafting is None else min(drafting[0], self.chain - 1)
+            if chained:
+                self._observe_chain(paths, chained)
             wider = [w for w in wider if w > self.chain]
         self._observe_accepted(used, paths, wider)
         if self.chain and 1 < timed <= self.chain:
-            if drafting is not None:
-                self._model_chain(timed, paths, round(size) - 1, seconds, *drafting)
+            if chained:
+                self._model_chain(timed, seconds, *drafting)
             return
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)
 
-    def _model_chain(self, width: int, paths: list[list[int]], nodes: int, seconds: float, chained: int,
-                     drafting: float) -> None:
-        """A chain width's steps are of two kinds: the chain drafts the width, a forward a drafted token, or (greedy,
-        where the last tokens occurred before) the n-gram copy drafts it for free. Each kind's drafted tokens are
-        accepted alike at every depth, so one rate a per kind, pooled over the steps of every width, gives each width
-        w its tokens: 1 + a + ... + a^(w-1); a step costs the rest of a step plus, for the chain, a forward per drafted
-        token; widths weigh the kinds by how often each came lately. Every estimate comes from the latest steps of any
-        width, so all stay fresh; the rest grows with the rows verified: a width's rest is a ratio to the recent
-        minimum taken at the same time (a ratio does not go stale in a slow spell). Minima and means per width kept a
-        rarely used width's from a quieter spell, and the tuner wandered among widths 3-8 (smollm2 sampled, 2,048
-        tokens, five runs side by side: 1.37-1.60x AR modelled, mostly at width 6; 1.33-1.56x with per-width
-        estimates; 1.38-1.63x at a fixed width 6)."""
-        copy = chained == 0
-        if not copy and not self._drafted:  # the first chain step pays one-off set-up (the drafter's copy of the cache)
-            self._drafted = True
-            return
+    def _observe_chain(self, paths: list[list[int]], drafted: int) -> None:
+        """A chain's drafted tokens are accepted alike at every depth (each drafted after the tokens AR took, with
+        AR's noise), so one acceptance rate a, pooled over the steps of every width, gives each chain width w its tokens
+        a step: 1 + a + ... + a^(w-1)."""
         kept = 1.0 - CHAIN_DECAY
-        drafted = min(nodes if copy else chained, self.chain - 1)
-        counts = self._kept[copy]
         for path in paths:
             took = sum(1 for i in path if i <= drafted)
-            counts[:] = [counts[0] * kept + took, counts[1] * kept + (took < drafted)]
-        self._mix = [self._mix[0] * kept + copy, self._mix[1] * kept + (not copy)]
+            self._chain = [self._chain[0] * kept + took, self._chain[1] * kept + (took < drafted)]
+        hit, miss = self._chain
+        a = hit / (hit + miss)
+        for w in self.widths:
+            if w <= self.chain:
+                self.accepted[w] = float(w) if a == 1.0 else (1.0 - a**w) / (1.0 - a)
+
+    def _model_chain(self, width: int, seconds: float, drafted: int, drafting: float) -> None:
+        """A chain step costs the rest of a step plus a drafting forward per drafted token; both from the latest chain
+        steps of any width, so every chain width's cost is fresh. The rest grows with the rows verified: a width's rest
+        is kept as a ratio to the recent minimum taken at the same time (a ratio does not go stale in a slow spell).
+        Minima per width kept a rarely used width's from a quieter spell, which then looked cheaper than the width in
+        use; with per-width acceptance means as well, the tuner wandered among widths 3-8 (smollm2 sampled, 2,048
+        tokens, five runs side by side: 1.37-1.60x AR with costs and acceptance modelled, mostly at width 6; 1.33-1.56x
+        with per-width estimates; 1.38-1.63x at a fixed width 6)."""
+        if not self._drafted:  # the first chain step pays one-off set-up (the drafter's copy of the cache)
+            self._drafted = True
+            return
         rest = max(seconds - drafting, 1e-9)
         self._rest.append(rest)
-        if not copy:
-            self._per.append(drafting / chained)
-        floor = min(self._rest)
+        self._per.append(drafting / drafted)
+        floor, per = min(self._rest), min(self._per)
         self._rows[width].append(rest / floor)
-        share = self._mix[0] / (self._mix[0] + self._mix[1])  # of copy steps
-        rates = [hit / (hit + miss) for hit, miss in self._kept]  # chain's, copy's
         for w in self.widths[1:]:
             if w <= self.chain:
-                tokens = [float(w) if a == 1.0 else (1.0 - a**w) / (1.0 - a) for a in rates]
-                self.accepted[w] = share * tokens[1] + (1.0 - share) * tokens[0]
-                if self._per:
-                    self.cost[w] = floor * min(self._rows[w], default=1.0) + (1.0 - share) * (w - 1) * min(self._per)
+                self.cost[w] = floor * min(self._rows[w], default=1.0) + (w - 1) * per
 
     def observe_shadow(self, paths: list[list[int]]) -> None:
         """Accepted paths of full-width tries that narrower steps verified only in part (shadow.py), one observation: exact
