@@ -21,7 +21,6 @@ PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's firs
 # then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
 CHAIN_DECAY = 0.01  # a chain's acceptance rate: counts of its drafted tokens accepted and missed, each step's weight
 # this much below the next one's (a memory of ~100 steps)
-CHAIN_PRIOR = (3.0, 1.0)  # counts it starts from (a rate of 0.75): a first miss alone does not decide it
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
 STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against plain
 # AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back as before). Costs are minima
@@ -61,11 +60,11 @@ class BudgetTuner:
         self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
         self._held: int | None = None  # index of the width in use (the last choice that was not exploring)
         self.chain = chain  # widths from 2 up to this: a chain drafter's, costed by _model_chain
-        self._rest = deque(maxlen=COST_WINDOW)  # recent chain steps' seconds but for their drafting
+        self._base = deque(maxlen=COST_WINDOW)  # recent drafting steps' seconds but for their drafting
+        self._bases = {w: deque(maxlen=COST_WINDOW) for w in self.widths}  # ... per width
         self._per = deque(maxlen=COST_WINDOW)  # ... and their drafting seconds per drafted token
-        self._rows = {w: deque(maxlen=COST_WINDOW) for w in self.widths}  # a width's rest over the recent minimum
         self._drafted = False  # whether a drafting step was seen (its cost is not one)
-        self._chain = list(CHAIN_PRIOR)  # decayed counts of the chain's drafted tokens accepted, and missed
+        self._chain = [0.0, 0.0]  # decayed counts of the chain's drafted tokens accepted, and missed
 
     def estimated_cost(self, w: int) -> float | None:
         """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
@@ -132,25 +131,25 @@ class BudgetTuner:
         bounds = self.narrow_bounds and used > 1 and not self._shadowed
         wider = self.widths if bounds else [w for w in self.widths if w <= used]
         size = used if nodes is None else nodes
-        timed = next(w for w in self.widths if w >= size)
-        if self.chain:  # its widths are modelled from the chain's own steps (a step the n-gram copy drafted is not one)
-            chained = 0 if drafting is None else min(drafting[0], self.chain - 1)
-            if chained:
-                self._observe_chain(paths, chained)
+        if self.chain:
+            self._observe_chain(paths, min(size, self.chain))
             wider = [w for w in wider if w > self.chain]
         self._observe_accepted(used, paths, wider)
-        if self.chain and 1 < timed <= self.chain:
-            if chained:
-                self._model_chain(timed, seconds, *drafting)
+        timed = next(w for w in self.widths if w >= size)
+        if self.chain and drafting is not None and drafting[0] >= 1 and size <= self.chain:
+            self._model_chain(timed, seconds, *drafting)
             return
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)
 
-    def _observe_chain(self, paths: list[list[int]], drafted: int) -> None:
+    def _observe_chain(self, paths: list[list[int]], nodes: float) -> None:
         """A chain's drafted tokens are accepted alike at every depth (each drafted after the tokens AR took, with
         AR's noise), so one acceptance rate a, pooled over the steps of every width, gives each chain width w its tokens
         a step: 1 + a + ... + a^(w-1)."""
+        drafted = round(nodes) - 1
+        if drafted < 1:  # a plain step: nothing drafted, nothing learnt
+            return
         kept = 1.0 - CHAIN_DECAY
         for path in paths:
             took = sum(1 for i in path if i <= drafted)
@@ -162,24 +161,22 @@ class BudgetTuner:
                 self.accepted[w] = float(w) if a == 1.0 else (1.0 - a**w) / (1.0 - a)
 
     def _model_chain(self, width: int, seconds: float, drafted: int, drafting: float) -> None:
-        """A chain step costs the rest of a step plus a drafting forward per drafted token; both from the latest chain
-        steps of any width, so every chain width's cost is fresh. The rest grows with the rows verified: a width's rest
-        is kept as a ratio to the recent minimum taken at the same time (a ratio does not go stale in a slow spell).
-        Minima per width kept a rarely used width's from a quieter spell, which then looked cheaper than the width in
-        use; with per-width acceptance means as well, the tuner wandered among widths 3-8 (smollm2 sampled, 2,048
-        tokens, five runs side by side: 1.37-1.60x AR with costs and acceptance modelled, mostly at width 6; 1.33-1.56x
-        with per-width estimates; 1.38-1.63x at a fixed width 6)."""
-        if not self._drafted:  # the first chain step pays one-off set-up (the drafter's copy of the cache)
+        """A chain's step costs the rest of a step plus one drafting forward per drafted token: the drafting from the
+        latest steps of any width, all of them fresh, the rest (which grows with the rows verified) from the width's
+        own steps (the latest steps' while it has none). Minima per width kept a rarely used width's from a quieter
+        spell, which then looked cheaper than the width in use; with per-width acceptance means as well, the tuner
+        wandered among widths 3-8 (smollm2 sampled, 2,048 tokens, five runs side by side: 1.37-1.60x AR with this and
+        _observe_chain, mostly at width 6; 1.33-1.56x with per-width estimates; 1.38-1.63x at a fixed width 6)."""
+        if not self._drafted:  # the first drafting step pays one-off set-up (the drafter's copy of the cache)
             self._drafted = True
             return
-        rest = max(seconds - drafting, 1e-9)
-        self._rest.append(rest)
+        self._base.append(seconds - drafting)
+        self._bases[width].append(seconds - drafting)
         self._per.append(drafting / drafted)
-        floor, per = min(self._rest), min(self._per)
-        self._rows[width].append(rest / floor)
+        per = min(self._per)
         for w in self.widths[1:]:
             if w <= self.chain:
-                self.cost[w] = floor * min(self._rows[w], default=1.0) + (w - 1) * per
+                self.cost[w] = min(self._bases[w] or self._base) + (w - 1) * per
 
     def observe_shadow(self, paths: list[list[int]]) -> None:
         """Accepted paths of full-width tries that narrower steps verified only in part (shadow.py), one observation: exact
