@@ -2,8 +2,7 @@
 
 Measured online, no start-up calibration: each width's cost is the fastest of its recent whole steps (drafting included;
 the minimum, because noise from other processes only ever adds time); trie nodes are kept in priority order, so one
-step's accepted path tells what every smaller width accepts. A chain drafter's widths (a forward a drafted token) are
-modelled instead: one acceptance rate and one cost a drafted token, from every step.
+step's accepted path tells what every smaller width accepts.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of th
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's first observation replaces it: explore,
 # then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
-CHAIN_DECAY = 0.01  # a chain's acceptance rate: counts of its drafted tokens accepted and missed, each step's weight
-# this much below the next one's (a memory of ~100 steps)
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
 STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against plain
 # AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back as before). Costs are minima
@@ -41,7 +38,7 @@ def candidate_widths(max_budget: int, fine: bool = False) -> list[int]:
 
 
 class BudgetTuner:
-    def __init__(self, max_budget: int, narrow_bounds: bool = True, chain: int = 0):
+    def __init__(self, max_budget: int, narrow_bounds: bool = True):
         """narrow_bounds: a narrower step's path bounds the wider widths' acceptance (below). Off for the 4-bit
         self-draft, whose narrow steps fill their width 95% of the time: every width-2 step then held width 4 at ~2
         tokens where it takes 3.7, and counting only the misses (a biased sample) held it at 2.6-2.8. Its widths are
@@ -59,12 +56,6 @@ class BudgetTuner:
         self._ar_next = EXPLORE_EVERY_AR  # the step of the next one
         self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
         self._held: int | None = None  # index of the width in use (the last choice that was not exploring)
-        self.chain = chain  # widths from 2 up to this: a chain drafter's, costed by _model_chain
-        self._base = deque(maxlen=COST_WINDOW)  # recent drafting steps' seconds but for their drafting
-        self._bases = {w: deque(maxlen=COST_WINDOW) for w in self.widths}  # ... per width
-        self._per = deque(maxlen=COST_WINDOW)  # ... and their drafting seconds per drafted token
-        self._drafted = False  # whether a drafting step was seen (its cost is not one)
-        self._chain = [0.0, 0.0]  # decayed counts of the chain's drafted tokens accepted, and missed
 
     def estimated_cost(self, w: int) -> float | None:
         """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
@@ -109,14 +100,12 @@ class BudgetTuner:
             best = min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
-    def observe(self, used: int, path_nodes: list[int], seconds: float, nodes: float | None = None,
-                drafting: tuple[int, float] | None = None) -> None:
+    def observe(self, used: int, path_nodes: list[int], seconds: float, nodes: float | None = None) -> None:
         """path_nodes: trie indices of the accepted path beyond the root (ascending); seconds: the whole step; nodes:
-        how many the trie held (default `used`); drafting: the chain's drafted tokens and the seconds drafting took."""
-        self.observe_batch(used, [path_nodes], seconds, nodes, drafting)
+        how many the trie held (default `used`)."""
+        self.observe_batch(used, [path_nodes], seconds, nodes)
 
-    def observe_batch(self, used: int, paths: list[list[int]], seconds: float, nodes: float | None = None,
-                      drafting: tuple[int, float] | None = None) -> None:
+    def observe_batch(self, used: int, paths: list[list[int]], seconds: float, nodes: float | None = None) -> None:
         """One step of several sequences (each its own trie of width `used`): their mean acceptance is one
         observation, so a batch moves the estimate as much as one sequence's step does. nodes: the tries' mean size.
 
@@ -130,53 +119,12 @@ class BudgetTuner:
         # it says nothing of wider widths (its bound of 1 token would wear them all down to plain AR).
         bounds = self.narrow_bounds and used > 1 and not self._shadowed
         wider = self.widths if bounds else [w for w in self.widths if w <= used]
-        size = used if nodes is None else nodes
-        if self.chain:
-            self._observe_chain(paths, min(size, self.chain))
-            wider = [w for w in wider if w > self.chain]
         self._observe_accepted(used, paths, wider)
+        size = used if nodes is None else nodes
         timed = next(w for w in self.widths if w >= size)
-        if self.chain and drafting is not None and drafting[0] >= 1 and size <= self.chain:
-            self._model_chain(timed, seconds, *drafting)
-            return
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)
-
-    def _observe_chain(self, paths: list[list[int]], nodes: float) -> None:
-        """A chain's drafted tokens are accepted alike at every depth (each drafted after the tokens AR took, with
-        AR's noise), so one acceptance rate a, pooled over the steps of every width, gives each chain width w its tokens
-        a step: 1 + a + ... + a^(w-1)."""
-        drafted = round(nodes) - 1
-        if drafted < 1:  # a plain step: nothing drafted, nothing learnt
-            return
-        kept = 1.0 - CHAIN_DECAY
-        for path in paths:
-            took = sum(1 for i in path if i <= drafted)
-            self._chain = [self._chain[0] * kept + took, self._chain[1] * kept + (took < drafted)]
-        hit, miss = self._chain
-        a = hit / (hit + miss)
-        for w in self.widths:
-            if w <= self.chain:
-                self.accepted[w] = float(w) if a == 1.0 else (1.0 - a**w) / (1.0 - a)
-
-    def _model_chain(self, width: int, seconds: float, drafted: int, drafting: float) -> None:
-        """A chain's step costs the rest of a step plus one drafting forward per drafted token: the drafting from the
-        latest steps of any width, all of them fresh, the rest (which grows with the rows verified) from the width's
-        own steps (the latest steps' while it has none). Minima per width kept a rarely used width's from a quieter
-        spell, which then looked cheaper than the width in use; with per-width acceptance means as well, the tuner
-        wandered among widths 3-8 (smollm2 sampled, 2,048 tokens, five runs side by side: 1.37-1.60x AR with this and
-        _observe_chain, mostly at width 6; 1.33-1.56x with per-width estimates; 1.38-1.63x at a fixed width 6)."""
-        if not self._drafted:  # the first drafting step pays one-off set-up (the drafter's copy of the cache)
-            self._drafted = True
-            return
-        self._base.append(seconds - drafting)
-        self._bases[width].append(seconds - drafting)
-        self._per.append(drafting / drafted)
-        per = min(self._per)
-        for w in self.widths[1:]:
-            if w <= self.chain:
-                self.cost[w] = min(self._bases[w] or self._base) + (w - 1) * per
 
     def observe_shadow(self, paths: list[list[int]]) -> None:
         """Accepted paths of full-width tries that narrower steps verified only in part (shadow.py), one observation: exact

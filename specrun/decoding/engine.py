@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
 
 RECYCLING_K = 8
-CHAIN_WIDTHS = 8  # the 4-bit chain's widths the tuner models (budget.py); wider ones are measured as a trie's
 
 
 @dataclass(frozen=True)
@@ -151,10 +150,7 @@ class Engine:
         self._ahead = [self._merge_order[: self._merge_order.index(i)] for i in range(len(names))]  # merged before i
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         # measured online and kept across generations (costs and acceptance carry over to the next prompt)
-        # the 4-bit self-draft leads every trie with its chain, a forward a drafted token
-        self._chain = names.index("quant") if "quant" in names else None
-        chain = self._chain is not None
-        self.tuner = BudgetTuner(config.trie_budget, narrow_bounds=not chain, chain=CHAIN_WIDTHS if chain else 0) \
+        self.tuner = BudgetTuner(config.trie_budget, narrow_bounds="quant" not in names) \
             if self.drafters and config.adaptive_budget else None
         self._shadowing = self.tuner is not None and shadowable(names)
         self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
@@ -192,7 +188,7 @@ class Engine:
         while not done:
             t_step = time.perf_counter()
             budget = self.tuner.choose() if self.tuner else self.config.trie_budget
-            drafts, t_draft = [], time.perf_counter()
+            drafts = []
             with stats.time("draft"):
                 full = self.config.trie_budget
                 shadowing = shadow is not None and budget < full and shadow.due()  # what a full trie would accept
@@ -200,8 +196,6 @@ class Engine:
                     drafts = self._drafts(st.draft_context(full if shadowing else budget, bool(self._coupled)))
                 if shadowing:  # the verified trie below is its first `budget` nodes
                     shadow.take(build_trie(st.root, drafts, full, self.lm.device), len(st.out))
-            chained = sum(len(d.tokens) - 1 for d in drafts if d.source == self._chain)
-            drafting = (chained, time.perf_counter() - t_draft)
             with stats.time("trie"):
                 trie = build_trie(st.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
@@ -219,7 +213,7 @@ class Engine:
             with stats.time("update"):
                 self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size, drafting)
+                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size)
                 if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
                     self.tuner.observe_shadow([shadow_path])
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
