@@ -2,11 +2,14 @@
 
 Measured online, no start-up calibration: each width's cost is the fastest of its recent whole steps (drafting included;
 the minimum, because noise from other processes only ever adds time); trie nodes are kept in priority order, so one
-step's accepted path tells what every smaller width accepts.
+step's accepted path tells what every smaller width accepts. A chain drafter's widths (sampled text) are judged against
+the width in use instead, side by side: acceptance on the same steps, costs on neighbouring ones (chain_accepted,
+chain_costs).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 EXPLORE_EVERY = 16  # every n-th step verifies the next wider width, so wider tries keep being measured
@@ -15,10 +18,13 @@ EXPLORE_MAX_AR = 128  # ... loses, up to this (sampled text: drafts keep missing
 EXPLORE_MAX_SHADOWED = 1024  # the cap once shadow tries (shadow.py) measure the wider widths' acceptance (exploring then
 # only re-times the wider widths' costs)
 EMA = 0.1  # weight of a new acceptance observation once a width has 1/EMA of them (a running mean before that)
+PAIR_HISTORY = 16  # a chain tuner pairs each step's cost with those of the widths stepped in this many steps before it
 COST_WINDOW = 8  # a width's cost: the fastest of its last COST_WINDOW steps
 PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's first observation replaces it: explore,
 # then settle at once (weighed as an observation, it kept sampled text on missing drafts for ~25 steps)
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
+CHAIN_EMA = 0.03  # EMA of a chain drafter's acceptance: at 0.1 a few hard steps sent the tuner to plain AR for up to 64
+# steps, or to widths that only the hard passage favoured
 STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against plain
 # AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back as before). Costs are minima
 # over windows of different ages, so while the host slows the width in use looks dearer than widths timed in a quieter
@@ -38,7 +44,7 @@ def candidate_widths(max_budget: int, fine: bool = False) -> list[int]:
 
 
 class BudgetTuner:
-    def __init__(self, max_budget: int, narrow_bounds: bool = True):
+    def __init__(self, max_budget: int, narrow_bounds: bool = True, chain: int = 0):
         """narrow_bounds: a narrower step's path bounds the wider widths' acceptance (below). Off for the 4-bit
         self-draft, whose narrow steps fill their width 95% of the time: every width-2 step then held width 4 at ~2
         tokens where it takes 3.7, and counting only the misses (a biased sample) held it at 2.6-2.8. Its widths are
@@ -56,6 +62,11 @@ class BudgetTuner:
         self._ar_next = EXPLORE_EVERY_AR  # the step of the next one
         self._shadowed = False  # acceptance also comes from shadow tries, so wider steps need not explore for it
         self._held: int | None = None  # index of the width in use (the last choice that was not exploring)
+        self.chain = chain  # widths from 2 up to this: a chain drafter's, judged against the width in use (below)
+        self._ema = CHAIN_EMA if chain else EMA
+        self._pair = {w: [0.0, 0.0] for w in self.widths}  # a chain width's acceptance and the width below's, same steps
+        self._recent: deque[tuple[int, float]] = deque(maxlen=PAIR_HISTORY)  # a chain tuner's last steps: (width, s)
+        self._cost_pair: dict[tuple[int, int], list[float]] = {}  # (lo, hi): [observations, hi's cost over lo's]
 
     def estimated_cost(self, w: int) -> float | None:
         """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
@@ -70,14 +81,15 @@ class BudgetTuner:
 
     def choose(self) -> int:
         self.step += 1
-        rates = []
+        rates, accepted = [], self.chain_accepted() if self.chain else self.accepted
+        paired = self.chain_costs(self.widths[self._held or 0]) if self.chain else {}
         for i, w in enumerate(self.widths):
-            c = self.estimated_cost(w)
+            c = paired.get(w) or self.estimated_cost(w)
             if c is None:  # nothing measured yet: time the narrowest width first
                 return w
             if len(self._times[w]) == 1:  # timed once: that first step paid one-off set-up (new shapes), time it again
                 return w
-            rates.append((self.accepted[w] / c, i))
+            rates.append((accepted[w] / c, i))
         best_rate, best = rates[0]
         for rate, i in rates[1:]:
             if rate > best_rate * (1 + WIDER_MARGIN):
@@ -100,12 +112,15 @@ class BudgetTuner:
             best = min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
-    def observe(self, used: int, path_nodes: list[int], seconds: float, nodes: float | None = None) -> None:
+    def observe(self, used: int, path_nodes: list[int], seconds: float, nodes: float | None = None,
+                chained: bool = True) -> None:
         """path_nodes: trie indices of the accepted path beyond the root (ascending); seconds: the whole step; nodes:
-        how many the trie held (default `used`)."""
-        self.observe_batch(used, [path_nodes], seconds, nodes)
+        how many the trie held (default `used`); chained: whether the chain drafter drafted this step (a chain tuner's;
+        where the n-gram copy drafts instead, the step costs no forward a token: not a chain width's cost)."""
+        self.observe_batch(used, [path_nodes], seconds, nodes, chained)
 
-    def observe_batch(self, used: int, paths: list[list[int]], seconds: float, nodes: float | None = None) -> None:
+    def observe_batch(self, used: int, paths: list[list[int]], seconds: float, nodes: float | None = None,
+                      chained: bool = True) -> None:
         """One step of several sequences (each its own trie of width `used`): their mean acceptance is one
         observation, so a batch moves the estimate as much as one sequence's step does. nodes: the tries' mean size.
 
@@ -125,6 +140,41 @@ class BudgetTuner:
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)
+        if self.chain and used <= self.chain and (used == 1 or chained):  # not a step the n-gram copy drafted
+            self._pair_cost(used, seconds)
+
+    def _pair_cost(self, w: int, seconds: float) -> None:
+        """A chain width's step against each width stepped in the last PAIR_HISTORY steps: its cost over their median,
+        one observation of the pair's ratio. Taken side by side, a ratio holds through a slow spell where minima per
+        width do not (one timed in a quieter spell looked cheaper than the width in use: the tuner wandered among widths
+        3-8), and where a linear model of chain steps did not (its minima of the rest of a step came from the steps that
+        accepted least: width 12 ran at 73 ms a step against 64 modelled, 1.31x AR where width 6 ran 1.57x)."""
+        by_width: dict[int, list[float]] = {}
+        for v, s in self._recent:
+            by_width.setdefault(v, []).append(s)
+        for v, times in by_width.items():
+            if v != w and len(times) >= 2:
+                ratio = seconds / statistics.median(times)
+                lo, hi, r = (v, w, ratio) if v < w else (w, v, 1.0 / ratio)
+                pair = self._cost_pair.setdefault((lo, hi), [0, 1.0])
+                pair[0] += 1
+                pair[1] += max(EMA, 1.0 / pair[0]) * (r - pair[1])
+        self._recent.append((w, seconds))
+
+    def chain_costs(self, held: int) -> dict[int, float]:
+        """Each chain width's cost (and plain AR's): the width in use's median of its recent steps times the pair's ratio
+        (_pair_cost); the widths without one are left out (the caller falls back on estimated_cost)."""
+        times = [s for v, s in self._recent if v == held]
+        if len(times) < 2:
+            return {}
+        now = statistics.median(times)
+        costs = {held: now}
+        for (lo, hi), (_, ratio) in self._cost_pair.items():
+            if lo == held:
+                costs[hi] = now * ratio
+            elif hi == held:
+                costs[lo] = now / ratio
+        return costs
 
     def observe_shadow(self, paths: list[list[int]]) -> None:
         """Accepted paths of full-width tries that narrower steps verified only in part (shadow.py), one observation: exact
@@ -136,7 +186,28 @@ class BudgetTuner:
         self._shadowed = True
 
     def _observe_accepted(self, used: int, paths: list[list[int]], widths: list[int]) -> None:
+        seen = {1: 1.0}
         for w in widths:
             acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
             self._acc_n[w] += 1
-            self.accepted[w] += max(EMA, 1.0 / self._acc_n[w]) * (acc - self.accepted[w])
+            rate = max(self._ema, 1.0 / self._acc_n[w])
+            self.accepted[w] += rate * (acc - self.accepted[w])
+            below = self.widths[self.widths.index(w) - 1] if w > 1 else None
+            if self.chain and below in seen:  # w and the width below it on the same steps (chain_accepted)
+                pair = self._pair[w]
+                pair[0] += rate * (acc - pair[0])
+                pair[1] += rate * (seen[below] - pair[1])
+            seen[w] = acc
+
+    def chain_accepted(self) -> dict[int, float]:
+        """A chain's widths' acceptance: each one's own recent mean up to the width in use (every step observes them),
+        above it the width below's times the ratio of the two on the steps that verified both. Their own means come from
+        the few wider steps (exploring), on older text than the width in use's: a hard passage then made the next wider
+        width look better than the one in use (smollm2 sampled: width 8 for 30% of the steps, ~1.5% slower than 6)."""
+        held = self.widths[self._held or 0]
+        acc = {}
+        for i, w in enumerate(self.widths):
+            pair = self._pair[w]
+            above = w > held and w <= self.chain and pair[1] > 0
+            acc[w] = acc[self.widths[i - 1]] * pair[0] / pair[1] if above else self.accepted[w]
+        return acc

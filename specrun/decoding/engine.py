@@ -20,7 +20,7 @@ from specrun.decoding.drafters import (
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
-from specrun.decoding.quant_draft import QuantDrafter, quantized
+from specrun.decoding.quant_draft import MAX_CHAIN, QuantDrafter, quantized
 from specrun.decoding.recurrent import DraftWeights, RecurrentDrafter
 from specrun.decoding.recurrent_files import builtin_drafter, load_drafter
 from specrun.decoding.recycling import RecyclingMatrix
@@ -149,10 +149,14 @@ class Engine:
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self._ahead = [self._merge_order[: self._merge_order.index(i)] for i in range(len(names))]  # merged before i
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
-        # measured online and kept across generations (costs and acceptance carry over to the next prompt)
-        self.tuner = BudgetTuner(config.trie_budget, narrow_bounds="quant" not in names) \
-            if self.drafters and config.adaptive_budget else None
-        self._shadowing = self.tuner is not None and shadowable(names)
+        # measured online and kept across generations (costs and acceptance carry over to the next prompt); greedy and
+        # sampled text apart: the same widths pay differently (greedy text loops, the n-gram copy drafts its steps)
+        self._chain = names.index("quant") if "quant" in names else None  # its chain leads every trie, a forward a token
+        self._tuners = {greedy: BudgetTuner(config.trie_budget, narrow_bounds=self._chain is None,
+                                            chain=MAX_CHAIN + 1 if self._chain is not None and not greedy else 0)
+                        for greedy in (False, True)} if self.drafters and config.adaptive_budget else None
+        self.tuner: BudgetTuner | None = None  # the one of the generation in flight (or the last)
+        self._shadowing = self._tuners is not None and shadowable(names)
         self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
 
     # -- the recipe ---------------------------------------------------------------------------------------------
@@ -179,6 +183,7 @@ class Engine:
         stats are its own); separate engines' steps can be interleaved (specrun bench's lockstep)."""
         st = self._start(prompt_ids, params, list(resume_from))
         stats = self.stats = GenStats(tuple(d.name for d in self.drafters))
+        self.tuner = self._tuners[params.greedy] if self._tuners else None
         done = st.finished()
         if done:
             return GenerationResult(st.out, done, stats.as_dict())
@@ -196,6 +201,7 @@ class Engine:
                     drafts = self._drafts(st.draft_context(full if shadowing else budget, bool(self._coupled)))
                 if shadowing:  # the verified trie below is its first `budget` nodes
                     shadow.take(build_trie(st.root, drafts, full, self.lm.device), len(st.out))
+            chained = any(d.source == self._chain for d in drafts)  # not a step the n-gram copy drafted instead
             with stats.time("trie"):
                 trie = build_trie(st.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
@@ -213,7 +219,7 @@ class Engine:
             with stats.time("update"):
                 self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size)
+                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size, chained)
                 if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
                     self.tuner.observe_shadow([shadow_path])
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()

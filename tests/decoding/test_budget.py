@@ -4,8 +4,11 @@ import pytest
 
 from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR, STAY_MARGIN,
                                      WIDER_MARGIN, BudgetTuner, candidate_widths)
+from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.sampling import SamplingParams
+from specrun.models.loader import load_model
+from specrun.models.tiny import build_tiny_model
 
 
 def test_candidate_widths():
@@ -288,3 +291,57 @@ def test_the_first_shadow_replaces_the_lower_bounds_narrow_steps_left_on_wider_w
     assert t.accepted[8] == pytest.approx(8.0) and t.accepted[4] == pytest.approx(4.0)
     t.observe_shadow([[1, 2, 3]])  # later shadows average in as before
     assert t.accepted[8] == pytest.approx(6.0)
+
+
+
+def _chain(t: BudgetTuner, w: int, accepted: int, seconds: float, chained: bool = True) -> None:
+    t.observe(w, list(range(1, accepted + 1)), seconds, w, chained)
+
+
+def test_a_chain_width_is_costed_against_the_width_in_use_side_by_side():
+    """Width 8 timed once beside width 6 (8 s to 6 s); the host then slows by half while 6 is in use: 8's cost follows
+    6's (its own minimum stays at 8 s), plain AR's too, and a step the n-gram copy drafted is no chain width's cost."""
+    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    for w, s in ((6, 6.0), (6, 6.0), (1, 4.0), (6, 6.0), (8, 8.0)):
+        _chain(t, w, w - 1, s)
+    assert t.chain_costs(6) == pytest.approx({6: 6.0, 8: 8.0, 1: 4.0})
+    for _ in range(16):
+        _chain(t, 6, 5, 12.0)
+    _chain(t, 6, 5, 0.1, chained=False)
+    assert t.cost[8] == 8.0  # what the case is about: a minimum per width keeps the quiet spell's
+    assert t.chain_costs(6) == pytest.approx({6: 12.0, 8: 16.0, 1: 8.0})
+    assert t.chain_costs(8) == {}  # not stepped lately: nothing to pair with
+
+
+def test_a_hard_passage_does_not_make_the_next_wider_chain_width_look_better():
+    """Width 6 in use, 8 explored now and then (7 tokens to 6 on the same steps), then a hard passage. Width 8's own
+    mean is of its few steps before it; judged by its ratio to width 6 on the steps that verified both, it stays behind,
+    and the narrow widths that the hard passage favours win."""
+    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    cost = {w: w + 3.0 for w in t.widths}
+    cost[1] = 4.5
+    for w in (1, 1, 2, 2, 3, 3, 4, 4):
+        _chain(t, w, w - 1, cost[w])
+    for k in range(200):
+        _chain(t, 8, 6, cost[8]) if k % EXPLORE_EVERY == 0 else _chain(t, 6, 5, cost[6])
+    t._held = t.widths.index(6)
+    assert t.choose() == 6
+    for _ in range(60):
+        _chain(t, 6, 1, cost[6])  # a hard passage: one drafted token accepted of five
+    assert t.accepted[8] / t.cost[8] > 2 * t.accepted[6] / t.cost[6]  # what the case is about: 8's own mean is stale
+    assert t.chain_accepted()[8] == pytest.approx(t.accepted[6] * 7 / 6)
+    assert t.choose() == 2  # 2 tokens for 5 s: the best of what the hard passage accepts
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
+def test_greedy_and_sampled_generations_tune_apart(tmp_path):
+    """Only sampled text gets the chain tuner: greedy steps are mostly the n-gram copy's (free drafts of the whole
+    width), which judging widths by the chain's own steps missed (3.6 against 2.9x AR with the copy counted)."""
+    lm = load_model(str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=2, seed=5)),
+                    dtype="bfloat16")
+    assert "quant" in [d.name for d in Engine(lm, EngineConfig()).drafters]
+    engine = Engine(lm, EngineConfig(trie_budget=16))
+    for params in (SamplingParams(max_tokens=40, ignore_eos=True),
+                   SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)):
+        engine.generate([5, 6, 7, 8], params)
+        assert engine.tuner.chain == (0 if params.greedy else 16) and engine.tuner.step > 0
