@@ -25,6 +25,9 @@ PRIOR_ACCEPTED = 4.0  # optimistic start (min(w, 4) tokens) until a width's firs
 WIDER_MARGIN = 0.03  # a wider width must beat the best narrower one by this much: noise alone never makes it slower
 CHAIN_EMA = 0.03  # EMA of a chain drafter's acceptance: at 0.1 a few hard steps sent the tuner to plain AR for up to 64
 # steps, or to widths that only the hard passage favoured
+CHAIN_GAP_CAP = 0.3  # the most one chain observation after a gap weighs
+CHAIN_STAY_MARGIN = 0.03  # a chain tuner's STAY_MARGIN: its estimates, side by side, do not wander as minima do, and
+# 8% kept it at widths up to 8% slower than the best
 STAY_MARGIN = 0.08  # a drafting width in use keeps its place unless another beats it by this much (never against plain
 # AR, which a held width must still beat by WIDER_MARGIN: drafts that stop paying fall back as before). Costs are minima
 # over windows of different ages, so while the host slows the width in use looks dearer than widths timed in a quieter
@@ -67,6 +70,8 @@ class BudgetTuner:
         self._pair = {w: [0.0, 0.0] for w in self.widths}  # a chain width's acceptance and the width below's, same steps
         self._recent: deque[tuple[int, float]] = deque(maxlen=PAIR_HISTORY)  # a chain tuner's last steps: (width, s)
         self._cost_pair: dict[tuple[int, int], list[float]] = {}  # (lo, hi): [observations, hi's cost over lo's]
+        self._seen_at: dict[int, int] = {}  # a chain width's step of its last acceptance observation
+        self._stay = CHAIN_STAY_MARGIN if chain else STAY_MARGIN
 
     def estimated_cost(self, w: int) -> float | None:
         """w's measured cost, never below plain AR's (costs are minima over windows of different ages: a rarely verified
@@ -82,9 +87,11 @@ class BudgetTuner:
     def choose(self) -> int:
         self.step += 1
         rates, accepted = [], self.chain_accepted() if self.chain else self.accepted
-        paired = self.chain_costs(self.widths[self._held or 0]) if self.chain else {}
+        held_w = self.widths[self._held or 0]
+        paired = self.chain_costs(held_w) if self.chain else {}
+        scale = paired[held_w] / self.cost[held_w] if paired and held_w in self.cost else 1.0  # median over minimum
         for i, w in enumerate(self.widths):
-            c = paired.get(w) or self.estimated_cost(w)
+            c = paired.get(w) or (None if (e := self.estimated_cost(w)) is None else e * scale)
             if c is None:  # nothing measured yet: time the narrowest width first
                 return w
             if len(self._times[w]) == 1:  # timed once: that first step paid one-off set-up (new shapes), time it again
@@ -96,7 +103,7 @@ class BudgetTuner:
                 best_rate, best = rate, i
         held = self._held  # held between drafting widths only: plain AR is left and taken back as before (WIDER_MARGIN)
         if held and best and rates[held][0] > rates[0][0] * (1 + WIDER_MARGIN) \
-                and rates[held][0] * (1 + STAY_MARGIN) >= best_rate:
+                and rates[held][0] * (1 + self._stay) >= best_rate:
             best = held
         self._held = best
         if best == 0:  # plain AR wins: one wider step now and then, less often each time (it costs more than it finds)
@@ -140,8 +147,8 @@ class BudgetTuner:
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)
-        if self.chain and used <= self.chain and (used == 1 or chained):  # not a step the n-gram copy drafted
-            self._pair_cost(used, seconds)
+        if self.chain and used <= self.chain and (used == 1 or chained) and len(times) > 1:
+            self._pair_cost(used, seconds)  # not a step the n-gram copy drafted, nor a width's first (its set-up)
 
     def _pair_cost(self, w: int, seconds: float) -> None:
         """A chain width's step against each width stepped in the last PAIR_HISTORY steps: its cost over their median,
@@ -191,6 +198,10 @@ class BudgetTuner:
             acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
             self._acc_n[w] += 1
             rate = max(self._ema, 1.0 / self._acc_n[w])
+            if self.chain:  # a width observed after a gap (exploring) stands for the steps since: else a ratio pulled
+                # to ~1 by a hard passage took ~500 steps to recover, and the tuner stayed narrow
+                rate = max(rate, min(CHAIN_GAP_CAP, self._ema * (self.step - self._seen_at.get(w, self.step))))
+                self._seen_at[w] = self.step
             self.accepted[w] += rate * (acc - self.accepted[w])
             below = self.widths[self.widths.index(w) - 1] if w > 1 else None
             if self.chain and below in seen:  # w and the width below it on the same steps (chain_accepted)

@@ -299,18 +299,36 @@ def _chain(t: BudgetTuner, w: int, accepted: int, seconds: float, chained: bool 
 
 
 def test_a_chain_width_is_costed_against_the_width_in_use_side_by_side():
-    """Width 8 timed once beside width 6 (8 s to 6 s); the host then slows by half while 6 is in use: 8's cost follows
-    6's (its own minimum stays at 8 s), plain AR's too, and a step the n-gram copy drafted is no chain width's cost."""
+    """Width 8 timed beside width 6 (8 s to 6 s); the host then slows by half while 6 is in use: 8's cost follows 6's
+    (its own minimum stays at 8 s), plain AR's too. A width's first step (its set-up) and a step the n-gram copy
+    drafted are no chain width's cost."""
     t = BudgetTuner(16, narrow_bounds=False, chain=16)
-    for w, s in ((6, 6.0), (6, 6.0), (1, 4.0), (6, 6.0), (8, 8.0)):
+    for w, s in ((1, 9.0), (6, 60.0), (8, 80.0), (6, 6.0), (6, 6.0), (1, 4.0), (6, 6.0), (8, 8.0)):
         _chain(t, w, w - 1, s)
     assert t.chain_costs(6) == pytest.approx({6: 6.0, 8: 8.0, 1: 4.0})
     for _ in range(16):
         _chain(t, 6, 5, 12.0)
-    _chain(t, 6, 5, 0.1, chained=False)
-    assert t.cost[8] == 8.0  # what the case is about: a minimum per width keeps the quiet spell's
+    _chain(t, 8, 7, 0.1, chained=False)
+    assert t.cost[8] == 0.1  # what the case is about: a minimum per width keeps a quiet spell's (or a copy step's)
     assert t.chain_costs(6) == pytest.approx({6: 12.0, 8: 16.0, 1: 8.0})
     assert t.chain_costs(8) == {}  # not stepped lately: nothing to pair with
+
+
+def test_a_width_explored_after_a_gap_stands_for_the_steps_since():
+    """Width 8 is verified every EXPLORE_EVERY steps only: one observation then moves its ratio to width 6 as
+    EXPLORE_EVERY of them would (a ratio pulled to ~1 by a hard passage otherwise took ~500 steps to recover)."""
+    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    for _ in range(40):
+        t.step += 1
+        _chain(t, 8, 7, 8.0)  # both widths accept their whole chain: 8 tokens to 6
+    for _ in range(200):
+        t.step += 1
+        _chain(t, 8, 3, 8.0)  # a hard passage: both accept 3 drafted tokens
+    assert t._pair[8][0] / t._pair[8][1] == pytest.approx(1.0, abs=0.01)
+    t.step += EXPLORE_EVERY
+    _chain(t, 8, 7, 8.0)  # easy again, 8 verified once after a gap
+    ratio = t._pair[8][0] / t._pair[8][1]
+    assert ratio > 1.1  # at CHAIN_EMA alone: ~1.01
 
 
 def test_a_hard_passage_does_not_make_the_next_wider_chain_width_look_better():
