@@ -119,15 +119,12 @@ class BudgetTuner:
             best = min(best + 1, len(self.widths) - 1)
         return self.widths[best]
 
-    def observe(self, used: int, path_nodes: list[int], seconds: float, nodes: float | None = None,
-                chained: bool = True) -> None:
+    def observe(self, used: int, path_nodes: list[int], seconds: float, nodes: float | None = None) -> None:
         """path_nodes: trie indices of the accepted path beyond the root (ascending); seconds: the whole step; nodes:
-        how many the trie held (default `used`); chained: whether the chain drafter drafted this step (a chain tuner's;
-        where the n-gram copy drafts instead, the step costs no forward a token: not a chain width's cost)."""
-        self.observe_batch(used, [path_nodes], seconds, nodes, chained)
+        how many the trie held (default `used`)."""
+        self.observe_batch(used, [path_nodes], seconds, nodes)
 
-    def observe_batch(self, used: int, paths: list[list[int]], seconds: float, nodes: float | None = None,
-                      chained: bool = True) -> None:
+    def observe_batch(self, used: int, paths: list[list[int]], seconds: float, nodes: float | None = None) -> None:
         """One step of several sequences (each its own trie of width `used`): their mean acceptance is one
         observation, so a batch moves the estimate as much as one sequence's step does. nodes: the tries' mean size.
 
@@ -147,8 +144,8 @@ class BudgetTuner:
         times = self._times[timed]
         times.append(seconds)
         self.cost[timed] = min(times)
-        if self.chain and used <= self.chain and (used == 1 or chained) and len(times) > 1:
-            self._pair_cost(used, seconds)  # not a step the n-gram copy drafted, nor a width's first (its set-up)
+        if self.chain and used <= self.chain and len(times) > 1:  # not a width's first step (its set-up)
+            self._pair_cost(used, seconds)
 
     def _pair_cost(self, w: int, seconds: float) -> None:
         """A chain width's step against each width stepped in the last PAIR_HISTORY steps: its cost over their median,
@@ -193,7 +190,7 @@ class BudgetTuner:
         self._shadowed = True
 
     def _observe_accepted(self, used: int, paths: list[list[int]], widths: list[int]) -> None:
-        seen = {1: 1.0}
+        below = 1.0  # the acceptance of the width before w (a chain tuner's widths come as a prefix: 1, 2, 3, 4, 6...)
         for w in widths:
             acc = 1 + sum(sum(1 for i in path if i < min(w, used)) for path in paths) / len(paths)
             self._acc_n[w] += 1
@@ -203,12 +200,11 @@ class BudgetTuner:
                 rate = max(rate, min(CHAIN_GAP_CAP, self._ema * (self.step - self._seen_at.get(w, self.step))))
                 self._seen_at[w] = self.step
             self.accepted[w] += rate * (acc - self.accepted[w])
-            below = self.widths[self.widths.index(w) - 1] if w > 1 else None
-            if self.chain and below in seen:  # w and the width below it on the same steps (chain_accepted)
+            if self.chain and w > 1:  # w and the width below it on the same steps (chain_accepted)
                 pair = self._pair[w]
                 pair[0] += rate * (acc - pair[0])
-                pair[1] += rate * (seen[below] - pair[1])
-            seen[w] = acc
+                pair[1] += rate * (below - pair[1])
+            below = acc
 
     def chain_accepted(self) -> dict[int, float]:
         """A chain's widths' acceptance: each one's own recent mean up to the width in use (every step observes them),

@@ -151,9 +151,10 @@ class Engine:
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         # measured online and kept across generations (costs and acceptance carry over to the next prompt); greedy and
         # sampled text apart: the same widths pay differently (greedy text loops, the n-gram copy drafts its steps)
-        self._chain = names.index("quant") if "quant" in names else None  # its chain leads every trie, a forward a token
-        self._tuners = {greedy: BudgetTuner(config.trie_budget, narrow_bounds=self._chain is None,
-                                            chain=MAX_CHAIN + 1 if self._chain is not None and not greedy else 0)
+        chain = "quant" in names  # the 4-bit self-draft's chain leads every trie, a forward a token (sampled: it always
+        # drafts; greedy: the n-gram copy drafts where it can)
+        self._tuners = {greedy: BudgetTuner(config.trie_budget, narrow_bounds=not chain,
+                                            chain=MAX_CHAIN + 1 if chain and not greedy else 0)
                         for greedy in (False, True)} if self.drafters and config.adaptive_budget else None
         self.tuner: BudgetTuner | None = None  # the one of the generation in flight (or the last)
         self._shadowing = self._tuners is not None and shadowable(names)
@@ -201,7 +202,6 @@ class Engine:
                     drafts = self._drafts(st.draft_context(full if shadowing else budget, bool(self._coupled)))
                 if shadowing:  # the verified trie below is its first `budget` nodes
                     shadow.take(build_trie(st.root, drafts, full, self.lm.device), len(st.out))
-            chained = any(d.source == self._chain for d in drafts)  # not a step the n-gram copy drafted instead
             with stats.time("trie"):
                 trie = build_trie(st.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
@@ -219,7 +219,7 @@ class Engine:
             with stats.time("update"):
                 self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size, chained)
+                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size)
                 if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
                     self.tuner.observe_shadow([shadow_path])
             accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()

@@ -294,22 +294,20 @@ def test_the_first_shadow_replaces_the_lower_bounds_narrow_steps_left_on_wider_w
 
 
 
-def _chain(t: BudgetTuner, w: int, accepted: int, seconds: float, chained: bool = True) -> None:
-    t.observe(w, list(range(1, accepted + 1)), seconds, w, chained)
+def _chain(t: BudgetTuner, w: int, accepted: int, seconds: float) -> None:
+    t.observe(w, list(range(1, accepted + 1)), seconds, w)
 
 
 def test_a_chain_width_is_costed_against_the_width_in_use_side_by_side():
     """Width 8 timed beside width 6 (8 s to 6 s); the host then slows by half while 6 is in use: 8's cost follows 6's
-    (its own minimum stays at 8 s), plain AR's too. A width's first step (its set-up) and a step the n-gram copy
-    drafted are no chain width's cost."""
+    (its own minimum stays at 8 s), plain AR's too. A width's first step (its set-up) is no chain width's cost."""
     t = BudgetTuner(16, narrow_bounds=False, chain=16)
     for w, s in ((1, 9.0), (6, 60.0), (8, 80.0), (6, 6.0), (6, 6.0), (1, 4.0), (6, 6.0), (8, 8.0)):
         _chain(t, w, w - 1, s)
     assert t.chain_costs(6) == pytest.approx({6: 6.0, 8: 8.0, 1: 4.0})
     for _ in range(16):
         _chain(t, 6, 5, 12.0)
-    _chain(t, 8, 7, 0.1, chained=False)
-    assert t.cost[8] == 0.1  # what the case is about: a minimum per width keeps a quiet spell's (or a copy step's)
+    assert t.cost[8] == 8.0  # what the case is about: a minimum per width keeps the quiet spell's
     assert t.chain_costs(6) == pytest.approx({6: 12.0, 8: 16.0, 1: 8.0})
     assert t.chain_costs(8) == {}  # not stepped lately: nothing to pair with
 
