@@ -15,3 +15,10 @@ demo:
 # Train the proxy model (+ draft heads) for `specrun bench`; cached in $SPECRUN_CACHE/proxy-v1 (~/.cache/specrun/proxy-v1).
 proxy:
 	$(PYTHON) bench/proxy_model.py --minutes 20
+
+.PHONY: gpu-check
+# The CUDA path proved on a lent GPU machine in one command (docs/gpu-check.md); DEVICE=cpu: the dry run on tiny shapes.
+DEVICE ?= cuda
+OUT ?= gpu-check-out
+gpu-check:
+	$(PYTHON) -m specrun.bench.gpu_check --device $(DEVICE) --out $(OUT)

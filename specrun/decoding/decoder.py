@@ -119,10 +119,8 @@ class FusedDecoder:
 
         # tokens, positions: [T] long -> hidden: [T, H] (after the final norm)
         """
-        x = self.embed(tokens)  # [T, H]
-        cos, sin = self.rotary(x[None], positions[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]
-        T, D, nq, nkv = tokens.shape[0], self.head_dim, self.n_q, self.n_kv
+        x, cos, sin = self.embed_rope(tokens, positions)
+        T = tokens.shape[0]
         if self.cpu_layers is not None:
             if isinstance(ctx, ForwardContext):
                 if ctx.whole_layers:
@@ -131,6 +129,20 @@ class FusedDecoder:
             elif (spans := ctx.whole_layer_spans()) is not None:  # a batched worker's BatchContext
                 return self.norm(self.cpu_layers.batch(x, cos[:, 0], sin[:, 0], ctx.pool.k, ctx.pool.v, spans,
                                                        ctx.queries))
+        return self.norm(self.layer_stack(x, cos, sin, ctx))
+
+    def embed_rope(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """# tokens, positions: [T] long -> x: [T, H], cos/sin: [T, 1, D]"""
+        x = self.embed(tokens)  # [T, H]
+        cos, sin = self.rotary(x[None], positions[None])  # [1, T, D] each
+        return x, cos[0, :, None, :], sin[0, :, None, :]
+
+    def layer_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """Every layer in torch ops, attention by ctx.attend (any context with that method: static_step's too).
+
+        # x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm)
+        """
+        T, D, nq, nkv = x.shape[0], self.head_dim, self.n_q, self.n_kv
         for i, L in enumerate(self.layers):
             qkv = L.qkv(L.ln1(x))  # [T, (nq + 2 nkv) D]
             qk = qkv[:, : (nq + nkv) * D].view(T, nq + nkv, D)
@@ -144,4 +156,4 @@ class FusedDecoder:
             x = x + L.o(out.reshape(T, nq * D))
             gu = L.gate_up(L.ln2(x))  # [T, 2I]
             x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
-        return self.norm(x)
+        return x

@@ -25,6 +25,7 @@ from specrun.decoding.recurrent import DraftWeights, RecurrentDrafter
 from specrun.decoding.recurrent_files import builtin_drafter, load_drafter
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.runner import ModelRunner
+from specrun.decoding.static_step import StaticStep
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.sequence import Sequence
 from specrun.decoding.stats import GenStats
@@ -53,6 +54,8 @@ class EngineConfig:
     kv_budget: int = 4096
     kv_sinks: int = 16
     attention: str = "sdpa"  # attention backend (decoding/attention.py BACKENDS); fixed per job like the model
+    step_graphs: str = "auto"  # width-1 steps by static_step.py: on (CUDA graphs on CUDA, its eager twin elsewhere),
+    # off, or auto (on where CUDA graphs run)
 
     def __post_init__(self):
         names = self.drafters if self.drafters is not None else ()
@@ -67,6 +70,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={value} must be >= {low}")
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
         check_backend(self.attention)
+        if self.step_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"step_graphs={self.step_graphs!r}; choose from auto, on, off")
         TreeTemplate(self.tree)  # validates the tree spec
 
     def active_drafters(self, have_heads: bool, have_drafter: bool = False, can_quantize: bool = False
@@ -135,6 +140,8 @@ class Engine:
         heads, self.recurrent, names = resolve_drafting(config, lm, heads)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
+        graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
+        self.static = StaticStep(self.runner) if graphs else None
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafters: list[Drafter] = [
             QuantDrafter(self.runner, quantized(self.runner.decoder)) if n == "quant" else
@@ -247,6 +254,9 @@ class Engine:
     def _verify(self, st: Sequence, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
         positions = trie.depths + (st.n - 1)
+        if trie.size == 1 and self.static is not None and not self._capture:
+            hidden = self.static.forward(trie.tokens, positions)
+            return hidden, self.runner.logits(hidden)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
 

@@ -145,7 +145,9 @@ class FlashInferAttention:
             except ImportError as e:
                 raise RuntimeError("the flashinfer attention backend needs flashinfer: pip install 'specrun[cuda]'") from e
             workspace = torch.zeros(self.workspace_mb << 20, dtype=torch.uint8, device=self.device)
-            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+            # FA2: it takes custom (tree) masks, and its one JIT module per dtype and head size serves every mask
+            # mode (auto picks FA3 on Hopper for unmasked batches: a second, slower compile)
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND", backend="fa2")
         dev = self.device
         self._wrapper.plan(
             plan.qo_indptr.to(dev), plan.kv_indptr.to(dev), plan.kv_indices.to(dev), plan.kv_last_page_len.to(dev),
@@ -153,6 +155,10 @@ class FlashInferAttention:
             packed_custom_mask=None if plan.mask_packed is None else plan.mask_packed.to(dev),
             causal=False, sm_scale=scaling, q_data_type=dtype, kv_data_type=dtype,
         )
+        if plan.mask_packed is not None:
+            # flashinfer (0.7.2) given a packed mask plans its offsets in bits (qo_len x kv_len summed), where the kernel
+            # reads bytes: every sequence after the first read another's mask bits (seen on an H200). Ours are bytes.
+            self._wrapper._mask_indptr_buf = plan.mask_indptr.to(dev)
 
     def run(self, k_store, v_store, q: torch.Tensor) -> torch.Tensor:
         """# q: [Ntok, Hq, D], stores: [Pg, Hkv, P, D] -> [Ntok, Hq, D]"""

@@ -14,6 +14,8 @@ from specrun.decoding.cpu_kernels import CpuKernels, cpu_kernels
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.kv_cache import KVCache
 
+SLOT_BLOCK = 256  # cache capacities are multiples of this
+
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
 
@@ -38,7 +40,9 @@ class ModelRunner:
         self.kernels = cpu_kernels() if ours and fits else None  # attention of the sdpa backend
 
     def reset(self, capacity: int) -> None:
-        """Empty the cache, growing buffers if this generation needs more slots."""
+        """Empty the cache, growing buffers if this generation needs more slots (whole blocks of SLOT_BLOCK: the
+        static step's buckets split into equal chunks)."""
+        capacity = -(-capacity // SLOT_BLOCK) * SLOT_BLOCK
         if self.cache is None or self.cache.capacity < capacity:
             dev, dt = self.lm.device, self.lm.dtype
             self.cache = KVCache(self.n_layers, capacity, self.n_kv_heads, self.head_dim, dt, dev)

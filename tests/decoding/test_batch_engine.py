@@ -211,7 +211,7 @@ def test_flashinfer_equals_paged_on_random_ragged_tries():
     from specrun.decoding.paged_attention import FlashInferAttention
 
     gen = torch.Generator().manual_seed(0)
-    Hq, Hkv, D = 8, 2, 64
+    Hq, Hkv, D = 8, 2, 128  # the head size of the GPU check's 8B shape: one JIT build of flashinfer serves both
     pool = PagePool(1, 512, 16, Hkv, D, torch.bfloat16, "cuda")
     pool.k.normal_()
     pool.v.normal_()

@@ -1,0 +1,185 @@
+"""Speed of the decode path on random-weight models shaped like real ones, built on the device from a config (their
+text is noise; their step costs are the real model's): AR steps against the memory roofline, verify widths, batches.
+
+random_model(shape, dtype, device) -> LoadedModel; decode_rates, verify_costs, engine_rates, batch_rates -> dicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+from specrun.bench.roofline import read_bandwidth, step_weight_bytes
+from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.neartie import check_divergence
+from specrun.decoding.paged_runner import kv_bytes_per_token
+from specrun.decoding.runner import ModelRunner
+from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.static_step import StaticStep
+from specrun.models.loader import LoadedModel
+
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+# the published configs' shapes (config.json of each model); "tiny-*" are the CPU dry run's stand-ins
+SHAPES = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                         rope_theta=500000.0, rope_scaling=dict(factor=8.0, **_LLAMA3_ROPE)),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, rope_scaling=dict(factor=32.0, **_LLAMA3_ROPE)),
+    "tiny-a": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    "tiny-b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=32, vocab_size=512, tie_word_embeddings=True),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_model(shape: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    """A Llama of `shape` with random weights (std 0.02), built directly on the device (no files, no tokenizer)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dev = torch.device(device)
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5, initializer_range=0.02)
+    torch.manual_seed(0)
+    try:  # the library's own init is skipped where it can be (ours follows): 8B parameters are not drawn twice
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        no_init_weights = contextlib.nullcontext
+    with torch.device(dev), no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = model.to(dev).eval().requires_grad_(False)
+    with torch.no_grad():  # whatever the library's init left (empty memory on some paths), weights are N(0, 0.02)
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0)  # norms
+    return LoadedModel(model=model, tokenizer=None, path=f"random:{shape}", eos_ids=frozenset(),
+                       vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings,
+                       fingerprint="0" * 16, is_demo=False, dtype=dtype, device=dev)
+
+
+def _timed(fn, steps: int, device) -> float:
+    """Median-free mean seconds of fn() over `steps` calls after one untimed call (each call ends in a host sync)."""
+    fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / steps
+
+
+def decode_rates(lm: LoadedModel, contexts: list[int], steps: int, bandwidth: float | None = None) -> list[dict]:
+    """One AR step (forward, LM head, argmax read on the host) with `context` committed keys (the cache filled
+    synthetically): eager torch ops and the static step (CUDA graphs on CUDA), each against the memory roofline."""
+    dev = lm.device
+    runner = ModelRunner(lm, max_rows=64)
+    runner.reset(max(contexts) + 64)
+    static = StaticStep(runner)
+    bandwidth = bandwidth or read_bandwidth(dev)
+    weights, per_token = step_weight_bytes(lm), kv_bytes_per_token(lm.model.config, lm.dtype)
+    one = torch.ones((1, 1), dtype=torch.bool, device=dev)
+    token = torch.ones(1, dtype=torch.long, device=dev)
+    out = []
+    for c in contexts:
+        runner.cache.length = c  # the step writes slot c each time and never commits it
+        pos = torch.tensor([c], device=dev)
+        eager = _timed(lambda: int(runner.logits(runner.forward(token, pos, one)).argmax()), steps, dev)
+        graph = _timed(lambda: int(runner.logits(static.forward(token, pos)).argmax()), steps, dev)
+        floor = (weights + per_token * c) / bandwidth
+        out.append({"context": c, "eager_ms": eager * 1e3, "static_ms": graph * 1e3,
+                    "eager_tokens_per_s": 1 / eager, "static_tokens_per_s": 1 / graph, "roofline_ms": floor * 1e3,
+                    "eager_roofline_share": floor / eager, "static_roofline_share": floor / graph,
+                    "static_graphs": static.graphs})
+    runner.cache = None  # free the long cache before the next measurement
+    return out
+
+
+def verify_costs(lm: LoadedModel, context: int, widths: list[int], steps: int) -> list[dict]:
+    """A verify forward of `width` rows (causal among themselves) after `context` keys, and its cost over width 1's."""
+    dev = lm.device
+    runner = ModelRunner(lm, max_rows=max(widths))
+    runner.reset(context + max(widths))
+    runner.cache.length = context
+    out = []
+    for w in widths:
+        tokens = torch.ones(w, dtype=torch.long, device=dev)
+        pos = torch.arange(context, context + w, device=dev)
+        mask = torch.ones((w, w), dtype=torch.bool, device=dev).tril_()
+        s = _timed(lambda: int(runner.logits(runner.forward(tokens, pos, mask)).argmax(dim=-1)[-1]), steps, dev)
+        out.append({"width": w, "ms": s * 1e3})
+    for row in out:
+        row["vs_width_1"] = row["ms"] / out[0]["ms"]
+    return out
+
+
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    """n different prompts, each a random phrase of 16 tokens repeated: repetitive text the n-gram drafter copies."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(3, vocab, (16,), generator=g).tolist() * (length // 16 + 1))[:length] for _ in range(n)]
+
+
+def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict]:
+    """The solo engine end to end (greedy, EOS ignored): AR eager, AR with static steps, n-gram + recycling drafts."""
+    prompt = _prompts(1, prompt_len, lm.vocab_size)[0]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    runs = {"ar_eager": EngineConfig(drafters=(), step_graphs="off"),
+            "ar_static": EngineConfig(drafters=(), step_graphs="on"),
+            "spec": EngineConfig(drafters=("ngram", "recycling"))}
+    out, ref = [], None
+    for name, cfg in runs.items():
+        engine = Engine(lm, cfg)
+        engine.generate(prompt, params)  # warm: the cache at its size, the graphs of its buckets
+        _sync(lm.device)
+        t = time.perf_counter()
+        res = engine.generate(prompt, params)
+        _sync(lm.device)
+        s = time.perf_counter() - t
+        ref = res.token_ids if ref is None else ref
+        div = check_divergence(lm, prompt, params, ref, res.token_ids)  # reduced precision: a near tie, or a fault
+        out.append({"name": name, "tokens_per_s": len(res.token_ids) / s, "mean_accepted": res.stats["mean_accepted"],
+                    "equal_to_ar_eager": res.token_ids == ref, "divergence": None if div is None else div.as_dict()})
+    return out
+
+
+def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens: int, backends: list[str]) -> list[dict]:
+    """Aggregate tok/s of the batched engine, AR and n-gram speculation, at each concurrency and attention backend;
+    per level, how many sequences' speculative tokens equal their AR tokens (reduced precision: near ties may part)."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    page = 16 if lm.device.type == "cuda" else prompt_len + new_tokens + 65
+    out = []
+    for backend in backends:  # untimed first: the backend's lazy set-up (the first batched run on an H200 ran at 1/3)
+        BatchEngine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, kv_tokens=2 * (prompt_len + 80),
+                                                                      page_size=page, backend=backend)
+                    ).run([(i, p, dataclasses.replace(params, max_tokens=8), []) for i, p in
+                           enumerate(_prompts(2, prompt_len, lm.vocab_size))])
+    for backend in backends:
+        for c in levels:
+            prompts = _prompts(c, prompt_len, lm.vocab_size)
+            tokens = {}
+            for name, drafters in (("ar", ()), ("spec", ("ngram",))):
+                engine = BatchEngine(lm, EngineConfig(drafters=drafters),
+                                     BatchConfig(concurrency=c, kv_tokens=c * (prompt_len + new_tokens + 65),
+                                                 page_size=page, backend=backend))
+                _sync(lm.device)
+                t = time.perf_counter()
+                res = engine.run([(i, p, params, []) for i, p in enumerate(prompts)])
+                _sync(lm.device)
+                s = time.perf_counter() - t
+                tokens[name] = {i: r.token_ids for i, r in res.items()}
+                out.append({"backend": backend, "concurrency": c, "name": name,
+                            "tokens_per_s": sum(len(r.token_ids) for r in res.values()) / s,
+                            "mean_accepted": sum(r.stats["mean_accepted"] for r in res.values()) / c})
+            out[-1]["equal_to_ar"] = sum(tokens["spec"][i] == tokens["ar"][i] for i in range(c))
+    return out

@@ -1,0 +1,123 @@
+"""The CUDA path against its CPU twins: the static (CUDA-graph) step against eager AR, the sampler on CUDA against the
+CPU, flashinfer's batched engine against solo AR. Tests marked gpu skip without CUDA; the static step's twin runs here."""
+
+import pytest
+import torch
+
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.neartie import check_divergence
+from specrun.decoding.sampling import SamplingParams, _bits, _key, gumbel_noise, process_logits, sample
+from specrun.decoding.static_step import MIN_BUCKET, bucket_of, chunk_size
+from tests.decoding.test_attention import CUDA
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
+GREEDY = SamplingParams(max_tokens=330, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=330, temperature=0.9, seed=3, min_p=0.05, penalty=1.2, penalty_window=32,
+                         ignore_eos=True)
+
+
+def test_buckets_double_from_the_smallest_and_stop_at_capacity():
+    assert bucket_of(1, 10_000) == MIN_BUCKET and bucket_of(MIN_BUCKET, 10_000) == MIN_BUCKET
+    assert bucket_of(MIN_BUCKET + 1, 10_000) == 2 * MIN_BUCKET
+    assert bucket_of(9_000, 10_000) == 10_000 and bucket_of(100, 50) == 50
+    assert chunk_size(65_536) == 1024 and chunk_size(65_536 + 256) == 256  # 64 chunks at least, dividing the bucket
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_static_step_generates_the_eager_tokens(load_fixture, device, params):
+    """float32, a prompt that starts below the first bucket's end and a generation that crosses it: every width-1
+    step is the static one (a CUDA graph per bucket on CUDA), and the tokens are eager AR's. A second, longer
+    generation on the same engine grows the cache: the graphs of the old cache are not replayed."""
+    lm = load_fixture("llama_gqa", dtype="float32", device=device)
+    prompt = lm.tokenizer.encode("the cat sat on the mat. " * 8)  # ~190 tokens: the steps cross slot 256
+    ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, params).token_ids
+    engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
+    assert engine.generate(prompt, params).token_ids == ref
+    assert engine.static.calls == params.max_tokens  # the prefill stops before the prompt's last token: every token a step
+    longer = prompt * 2
+    ref2 = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(longer, params).token_ids
+    assert engine.generate(longer, params).token_ids == ref2
+    if device == "cuda":
+        assert engine.static.graphs and len(engine.static._captured) >= 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_buckets_attend_as_one_pass(load_fixture, device, monkeypatch):
+    """Every bucket split in chunks (split-KV, merged by log-sum-exp), sampled float32: the eager tokens."""
+    from specrun.decoding import static_step
+
+    monkeypatch.setattr(static_step, "SPLIT_FROM", MIN_BUCKET)
+    monkeypatch.setattr(static_step, "MIN_CHUNKS", 2)
+    lm = load_fixture("llama_gqa", dtype="float32", device=device)
+    prompt = lm.tokenizer.encode("the cat sat on the mat. " * 8)
+    ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, SAMPLED).token_ids
+    engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
+    assert engine.generate(prompt, SAMPLED).token_ids == ref and engine.static.calls == SAMPLED.max_tokens
+
+
+def test_spec_steps_of_width_one_take_the_static_step(load_fixture):
+    lm = load_fixture("llama_gqa", dtype="float64")
+    prompt = lm.tokenizer.encode("once upon a time there was")
+    ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, SAMPLED).token_ids
+    engine = Engine(lm, EngineConfig(drafters=("ngram", "recycling"), step_graphs="on"))
+    out = engine.generate(prompt, SAMPLED)
+    assert out.token_ids == ref and engine.static.calls > 0
+
+
+@pytest.mark.gpu
+@CUDA
+def test_sampler_on_cuda_is_the_cpu_sampler():
+    """The same hash bits on both devices, noise within an ulp or two (the two libm's logs), the same tokens."""
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 2**31 - 1, (64,), generator=g)
+    tokens = torch.randint(0, 200_000, (64,), generator=g)
+    for seed in (0, 7, 2**63 - 1):
+        key_cpu, key_gpu = _key(seed, positions), _key(seed, positions.cuda())
+        assert torch.equal(key_cpu, key_gpu.cpu())
+        for a, b in zip(_bits(key_cpu, tokens), _bits(key_gpu, tokens.cuda())):
+            assert torch.equal(a, b.cpu())
+        cpu, gpu = gumbel_noise(seed, positions[:8], 50_000), gumbel_noise(seed, positions[:8].cuda(), 50_000).cpu()
+        ulp = torch.finfo(torch.float64).eps * cpu.abs().clamp_min(1.0)
+        assert ((cpu - gpu).abs() <= 4 * ulp).all()
+    logits = torch.randn(6, 50_000, generator=g) * 4
+    present = torch.rand(6, 50_000, generator=g) < 0.01
+    pos = torch.arange(1000, 1006)
+    for p in (SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.7, min_p=0.05, seed=1, penalty=1.3),
+              SamplingParams(temperature=1.2, top_k=50, top_p=0.9, seed=2)):
+        on_cpu = sample(process_logits(logits, present, p), p.seed, pos)
+        on_gpu = sample(process_logits(logits.cuda(), present.cuda(), p), p.seed, pos.cuda())
+        assert on_cpu.tolist() == on_gpu.cpu().tolist(), p
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A tiny llama with head size 128 (flashinfer's kernels take 64, 128, 256; the check's 8B shape uses 128)."""
+    from specrun.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("wide") / "m", arch="llama", hidden=256, heads=2, kv_heads=1,
+                                tie_embeddings=False, seed=11))
+
+
+@pytest.mark.gpu
+@CUDA
+def test_flashinfer_batch_engine_is_ar_up_to_near_ties(wide_heads):
+    """bf16 on CUDA, n-gram drafting, three sequences in one batch: each equals its solo AR run, or parts from it first
+    at a near tie (DESIGN section 2: the row count of a forward may move the last bits)."""
+    pytest.importorskip("flashinfer", reason="needs flashinfer (pip install 'specrun[cuda]')")
+    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.models.loader import load_model
+
+    lm = load_model(wide_heads, dtype="bfloat16", device="cuda")
+    prompts = [lm.tokenizer.encode(t) for t in ("the cat sat on the mat. the cat sat on the mat. the cat",
+                                                "abc abc abc abc abc", "once upon a time")]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    # every step drafts (the recycling matrix always proposes): each verify is a masked tree per sequence
+    engine = BatchEngine(lm, EngineConfig(drafters=("ngram", "recycling"), adaptive_budget=False, trie_budget=16),
+                         BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=16, backend="flashinfer"))
+    got = engine.run([(i, p, params, []) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(p, params).token_ids
+        div = check_divergence(lm, p, params, ref, got[i].token_ids)
+        assert div is None or div.near_tie, (i, div)
+        assert got[i].stats["mean_trie_nodes"] > 4  # trees, not single rows, went through flashinfer's masked kernel
