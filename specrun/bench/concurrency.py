@@ -13,6 +13,7 @@ from collections.abc import Callable
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.neartie import check_divergence
+from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.paged_attention import resolve_backend
 from specrun.decoding.sampling import SamplingParams
 
@@ -30,7 +31,7 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     """Every (config, level) `repeat` times, interleaved; level c runs prompts[:c] at once (EOS ignored, no stops)."""
     params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
     need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
-    backend = resolve_backend(backend, lm.dtype, lm.device)
+    backend = resolve_backend(backend, lm.dtype, lm.device, FusedDecoder.of(lm.model).head_dim)
     page = need if lm.device.type == "cpu" and backend in ("sdpa", "dense") else 16  # as the job driver pages
 
     def engine(config: EngineConfig, c: int) -> BatchEngine:

@@ -44,8 +44,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_model(shape: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
-    """A Llama of `shape` with random weights (std 0.02), built directly on the device (no files, no tokenizer)."""
+def random_model(shape: str, dtype: torch.dtype, device: str | torch.device, cycle: int = 0) -> LoadedModel:
+    """A Llama of `shape` with random weights (std 0.02), built directly on the device (no files, no tokenizer).
+
+    cycle > 0 (untied shapes): the same shapes and step cost, but every layer's output projections are zero (a token's
+    hidden state is its own embedding) and the LM head sends each of `cycle` tokens to the next: its greedy text is
+    that cycle, which the n-gram drafter copies whole (speculation's upper bound; random text is accepted ~never)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     dev = torch.device(device)
@@ -64,9 +68,29 @@ def random_model(shape: str, dtype: torch.dtype, device: str | torch.device) -> 
                 p.normal_(0.0, 0.02)
             else:
                 p.fill_(1.0)  # norms
-    return LoadedModel(model=model, tokenizer=None, path=f"random:{shape}", eos_ids=frozenset(),
+    if cycle:
+        _make_cycle(model, cycle)
+    return LoadedModel(model=model, tokenizer=None, path=f"random:{shape}" + (f"+cycle{cycle}" if cycle else ""),
+                       eos_ids=frozenset(),
                        vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings,
                        fingerprint="0" * 16, is_demo=False, dtype=dtype, device=dev)
+
+
+def _make_cycle(model, n: int) -> None:
+    """Zero o_proj and down_proj; head row of token c[i+1] = embedding of c[i], scaled so its logit (~0.25 sqrt(H))
+    clears random rows' (std 0.02 sqrt(H), ~4.5 sigma at most over the vocabulary) by a wide margin."""
+    if model.config.tie_word_embeddings:
+        raise ValueError("a cycle model needs an untied LM head")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        tokens = torch.randperm(emb.shape[0] - 3, generator=torch.Generator().manual_seed(2))[:n] + 3
+        for i in range(n):
+            e = emb[tokens[i]].float()
+            head[tokens[(i + 1) % n]] = (0.25 * e / e.norm()).to(head.dtype)
+    model._specrun_cycle = tokens.tolist()
 
 
 def _timed(fn, steps: int, device) -> float:
@@ -124,15 +148,19 @@ def verify_costs(lm: LoadedModel, context: int, widths: list[int], steps: int) -
     return out
 
 
-def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    """n different prompts, each a random phrase of 16 tokens repeated: repetitive text the n-gram drafter copies."""
+def _prompts(lm: LoadedModel, n: int, length: int) -> list[list[int]]:
+    """n different prompts: a cycle model's cycle from n starting points, else each a random phrase of 16 tokens
+    repeated (repetitive, though a random model does not go on repeating it)."""
+    cycle = getattr(lm.model, "_specrun_cycle", None)
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(3, vocab, (16,), generator=g).tolist() * (length // 16 + 1))[:length] for _ in range(n)]
+    phrases = [cycle[i % len(cycle):] + cycle[: i % len(cycle)] if cycle else
+               torch.randint(3, lm.vocab_size, (16,), generator=g).tolist() for i in range(n)]
+    return [(p * (length // len(p) + 1))[:length] for p in phrases]
 
 
 def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict]:
     """The solo engine end to end (greedy, EOS ignored): AR eager, AR with static steps, n-gram + recycling drafts."""
-    prompt = _prompts(1, prompt_len, lm.vocab_size)[0]
+    prompt = _prompts(lm, 1, prompt_len)[0]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     runs = {"ar_eager": EngineConfig(drafters=(), step_graphs="off"),
             "ar_static": EngineConfig(drafters=(), step_graphs="on"),
@@ -163,10 +191,10 @@ def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens:
         BatchEngine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, kv_tokens=2 * (prompt_len + 80),
                                                                       page_size=page, backend=backend)
                     ).run([(i, p, dataclasses.replace(params, max_tokens=8), []) for i, p in
-                           enumerate(_prompts(2, prompt_len, lm.vocab_size))])
+                           enumerate(_prompts(lm, 2, prompt_len))])
     for backend in backends:
         for c in levels:
-            prompts = _prompts(c, prompt_len, lm.vocab_size)
+            prompts = _prompts(lm, c, prompt_len)
             tokens = {}
             for name, drafters in (("ar", ()), ("spec", ("ngram",))):
                 engine = BatchEngine(lm, EngineConfig(drafters=drafters),

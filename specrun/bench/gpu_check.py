@@ -26,16 +26,26 @@ SITE = Path("/tmp/specrun-site")  # where the carried wheels are installed on th
 GPU_TESTS = ["tests/decoding/test_gpu.py", "tests/decoding/test_sampling.py", "tests/decoding/test_attention.py",
              "tests/decoding/test_batch_engine.py"]
 
-# per device: the shapes, dtype and sizes each step uses; the budget in seconds (a 15-minute loan: ~1.5 min to start
+ALL = ("build", "bandwidth", "decode", "verify", "engine", "batch")
+SPEC = ("build", "engine", "batch")  # a cycle model: speculation's upper bound (its text is drafted whole)
+
+
+def _model(shape: str, contexts=(), flashinfer: bool = False, cycle: int = 0, measures=ALL) -> dict:
+    return dict(shape=shape, contexts=list(contexts), flashinfer=flashinfer, cycle=cycle, measures=measures)
+
+
+# per device: the models, dtype and sizes each step uses; the budget in seconds (a 15-minute loan: ~0.5 min to start
 # the machine, this check, and time to run it once more)
 PLANS = {
-    "cuda": dict(budget=330, dtype="bfloat16", tests_timeout=150, models={
-        "llama-3.1-8b": dict(contexts=[1024, 16384, 65536], flashinfer=True),
-        "llama-3.2-1b": dict(contexts=[1024, 16384, 65536, 100000], flashinfer=False)},
+    "cuda": dict(budget=380, dtype="bfloat16", tests_timeout=150, models={
+        "llama-3.1-8b": _model("llama-3.1-8b", [1024, 16384, 65536], flashinfer=True),
+        "llama-3.2-1b": _model("llama-3.2-1b", [1024, 16384, 65536, 100000]),
+        "llama-3.1-8b-cycle": _model("llama-3.1-8b", flashinfer=True, cycle=16, measures=SPEC)},
         steps=20, widths=[1, 2, 4, 8, 16, 32, 64], levels=[1, 8, 32], prompt_len=256, new_tokens=64,
         engine_prompt=1024, engine_tokens=256),
     "cpu": dict(budget=120, dtype="float32", tests_timeout=90, models={
-        "tiny-a": dict(contexts=[64, 4200], flashinfer=True), "tiny-b": dict(contexts=[64, 300], flashinfer=False)},
+        "tiny-a": _model("tiny-a", [64, 4200], flashinfer=True), "tiny-b": _model("tiny-b", [64, 300]),
+        "tiny-a-cycle": _model("tiny-a", flashinfer=True, cycle=5, measures=SPEC)},
         steps=3, widths=[1, 4, 16], levels=[1, 2], prompt_len=32, new_tokens=12, engine_prompt=32, engine_tokens=12),
 }
 
@@ -170,26 +180,34 @@ def run_tests(device: str, out: Path, timeout: float) -> dict:
             "exit": proc.returncode}
 
 
-def bench_model(check: Check, shape: str, spec: dict, plan: dict, device: str, have_flashinfer: bool) -> None:
-    """Every measurement of one model shape, each its own step (the model is built once, then freed)."""
+def bench_model(check: Check, name: str, spec: dict, plan: dict, device: str, have_flashinfer: bool) -> None:
+    """The measurements spec names for one model, each its own step (the model is built once, then freed)."""
     import torch
 
     from specrun.bench import device_bench as db
     from specrun.bench.roofline import read_bandwidth
 
     dtype = getattr(torch, plan["dtype"])
-    lm = check.step(f"{shape}/build", lambda: db.random_model(shape, dtype, device), need=20)
+    lm = check.step(f"{name}/build", lambda: db.random_model(spec["shape"], dtype, device, spec["cycle"]), need=20)
     if lm is None:
         return
-    check.report["steps"][f"{shape}/build"]["result"] = {"parameters": sum(p.numel() for p in lm.model.parameters())}
-    bw = check.step(f"{shape}/bandwidth", lambda: read_bandwidth(lm.device, megabytes=1024 if device == "cuda" else 64))
-    check.step(f"{shape}/decode", lambda: db.decode_rates(lm, spec["contexts"], plan["steps"], bw), need=15)
-    check.step(f"{shape}/verify", lambda: db.verify_costs(lm, 1024 if device == "cuda" else 64, plan["widths"],
-                                                         plan["steps"]), need=10)
-    check.step(f"{shape}/engine", lambda: db.engine_rates(lm, plan["engine_prompt"], plan["engine_tokens"]), need=20)
-    backends = ["sdpa"] + (["flashinfer"] if spec["flashinfer"] and have_flashinfer else [])
-    check.step(f"{shape}/batch", lambda: db.batch_rates(lm, plan["levels"], plan["prompt_len"], plan["new_tokens"],
-                                                        backends), need=30)
+    check.report["steps"][f"{name}/build"]["result"] = {"parameters": sum(p.numel() for p in lm.model.parameters())}
+    todo, bw = spec["measures"], None
+    if "bandwidth" in todo:
+        bw = check.step(f"{name}/bandwidth", lambda: read_bandwidth(lm.device, megabytes=1024 if device == "cuda" else 64))
+    if "decode" in todo:
+        check.step(f"{name}/decode", lambda: db.decode_rates(lm, spec["contexts"], plan["steps"], bw), need=15)
+    if "verify" in todo:
+        check.step(f"{name}/verify", lambda: db.verify_costs(lm, 1024 if device == "cuda" else 64, plan["widths"],
+                                                            plan["steps"]), need=10)
+    if "engine" in todo:
+        check.step(f"{name}/engine", lambda: db.engine_rates(lm, plan["engine_prompt"], plan["engine_tokens"]), need=20)
+    if "batch" in todo:
+        fi = spec["flashinfer"] and have_flashinfer
+        # a cycle model's batches on flashinfer alone where it is there (the backend a GPU job runs)
+        backends = (["flashinfer"] if spec["cycle"] else ["sdpa", "flashinfer"]) if fi else ["sdpa"]
+        check.step(f"{name}/batch", lambda: db.batch_rates(lm, plan["levels"], plan["prompt_len"], plan["new_tokens"],
+                                                           backends), need=30)
     del lm
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -201,8 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="Folder for gpu-check.json, the log and pytest's report.")
     ap.add_argument("--budget", type=float, help="Seconds for the whole check (default: the device's plan).")
     ap.add_argument("--skip-tests", action="store_true", help="Leave out the gpu-marked tests.")
+    ap.add_argument("--models", help="Comma list of the plan's models to measure (default: all).")
     args = ap.parse_args(argv)
     plan = PLANS[args.device]
+    models = plan["models"]
+    if args.models:
+        unknown = sorted(set(args.models.split(",")) - set(models))
+        if unknown:
+            ap.error(f"unknown model {unknown[0]!r} for --device {args.device}; choose from {', '.join(models)}")
+        models = {k: v for k, v in models.items() if k in args.models.split(",")}
     check = Check(args.out, args.device, args.budget or plan["budget"])
     check.step("carry", install_carried)
     env = check.step("environment", lambda: environment(args.device)) or {}
@@ -212,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not args.skip_tests:
         check.step("tests", lambda: run_tests(args.device, args.out, plan["tests_timeout"]), need=30)
-    for shape, spec in plan["models"].items():
+    for name, spec in models.items():
         with contextlib.suppress(Exception):
-            bench_model(check, shape, spec, plan, args.device, bool(env.get("flashinfer")))
+            bench_model(check, name, spec, plan, args.device, bool(env.get("flashinfer")))
     check.write()
     failed = [k for k, v in check.report["steps"].items() if not v["ok"]]
     check.log(f"done in {check.report['elapsed_s']} s; failed or skipped: {failed or 'none'}")

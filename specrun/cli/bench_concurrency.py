@@ -20,6 +20,7 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
                       as_json, kw) -> None:
     from specrun.bench.concurrency import prompt_variants, run_concurrency, summarize_concurrency
     from specrun.cli.generate import encode_prompt, load_for_cli
+    from specrun.decoding.decoder import FusedDecoder
     from specrun.decoding.paged_attention import resolve_backend
     from specrun.models.loader import resolve_dtype
 
@@ -33,7 +34,7 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
         raise click.ClickException(f"cannot load model {model!r}: {e}") from e
     lm = load_for_cli(model, dtype, device, trust_remote_code)
     prompts = [encode_prompt(lm, t, chat) for t in prompt_variants(text, max(levels))]
-    backend = resolve_backend(backend, lm.dtype, lm.device)
+    backend = resolve_backend(backend, lm.dtype, lm.device, FusedDecoder.of(lm.model).head_dim)
     try:
         rows = run_concurrency(lm, prompts, params, levels, configs, repeat, backend,
                                log=lambda m: click.echo(m, err=True))

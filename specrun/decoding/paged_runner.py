@@ -28,8 +28,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 class PagedRunner:
     def __init__(self, lm: LoadedModel, kv_tokens: int, page_size: int = 1, backend: str = "auto"):
         self.lm = lm
-        self.backend = backend = resolve_backend(backend, lm.dtype, lm.device)
         self.decoder = FusedDecoder.of(lm.model)  # refuses architectures and features it would get wrong
+        self.backend = backend = resolve_backend(backend, lm.dtype, lm.device, self.decoder.head_dim)
         self.lm_head = self.decoder.lm_head
         dec = self.decoder
         self.pool = PagePool(len(dec.layers), -(-kv_tokens // page_size), page_size, dec.n_kv, dec.head_dim,

@@ -91,7 +91,19 @@ def test_dense_equals_sdpa_on_random_ragged_tries(dtype, monkeypatch):
 def test_auto_backend_is_dense_only_on_cpu_in_reduced_precision():
     assert resolve_backend("auto", torch.bfloat16, "cpu") == "dense"
     assert resolve_backend("auto", torch.float32, "cpu") == "sdpa"
-    assert resolve_backend("auto", torch.bfloat16, "cuda") == "sdpa"
+    assert resolve_backend("auto", torch.bfloat16, "cuda") == "sdpa"  # no head size given: not flashinfer's
+
+
+def test_auto_backend_is_flashinfer_on_cuda_where_it_is_installed_and_fits(monkeypatch):
+    from specrun.decoding import paged_attention
+
+    monkeypatch.setattr(paged_attention, "flashinfer_available", lambda: True)
+    assert resolve_backend("auto", torch.bfloat16, "cuda", 128) == "flashinfer"
+    assert resolve_backend("auto", torch.float32, "cuda", 128) == "sdpa"  # float32: solo runs bit for bit
+    assert resolve_backend("auto", torch.bfloat16, "cuda", 80) == "sdpa"  # a head size its kernels are not built for
+    assert resolve_backend("auto", torch.bfloat16, "cpu", 128) == "dense"
+    monkeypatch.setattr(paged_attention, "flashinfer_available", lambda: False)
+    assert resolve_backend("auto", torch.bfloat16, "cuda", 128) == "sdpa"
     assert resolve_backend("paged", torch.bfloat16, "cpu") == "paged"
     with pytest.raises(ValueError, match="'flash'"):
         resolve_backend("flash", torch.float32, "cpu")
