@@ -137,7 +137,7 @@ def summarize(measurements: list[Measurement], kinds: dict[str, str], lengths: t
 
 
 def annotate_divergences(report: dict, measurements: list[Measurement], check) -> None:
-    """Give every mismatch and every specrun run its near-tie verdict (DESIGN section 2).
+    """Give every mismatch and every specrun run its near-tie verdict (docs/design.md section 2).
 
     check(reference_tokens, tokens) -> Divergence; adds gap/near_tie/tolerance to each mismatch and per run row
     identical, first_diff, gap, near_tie (first mismatching repeat); report["lossless"]: every mismatch a near tie.

@@ -1,4 +1,5 @@
-"""Near-tie check (DESIGN section 2): where a run's tokens first differ from AR, were the two tokens a numerical tie?
+"""Near-tie check (docs/design.md section 2): where a run's tokens first differ from AR, were the two tokens a
+numerical tie?
 
 check_divergence recomputes AR's processed scores (noise included when sampling) at the first differing position.
 """

@@ -19,7 +19,7 @@ class _Entry:
 
 
 class NGramPool:
-    """Incremental n-gram statistics; each added token costs O(topk) (DESIGN.md I5), queries O(k).
+    """Incremental n-gram statistics; each added token costs O(topk) (docs/design.md I5), queries O(k).
 
     Counts are kept per distinct continuation. Recency is the order of the last increment (a global counter),
     so among equal counts the continuation seen most recently ranks first.
@@ -95,7 +95,7 @@ class SuffixCopy:
 
     follow(limit) -> the tokens that came after the previous occurrence of the sequence's last `key` tokens, continued
     periodically past the sequence's end (a loop repeats); [] if those tokens never occurred before. Each added token
-    costs O(key) (DESIGN.md I5), a follow O(limit).
+    costs O(key) (docs/design.md I5), a follow O(limit).
     """
 
     def __init__(self, key: int = 3) -> None:

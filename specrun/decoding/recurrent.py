@@ -1,7 +1,8 @@
 """Recurrent drafter (ReDrafter/EAGLE-like): s_1 = g(h, e(root)), s_{j+1} = g(s_j, e(x_j)), q_j = LM head rows(s_j).
 
 It drafts from the verify forward's hidden state (no draft forward of the target) and samples its tree with the
-same position-keyed Gumbel noise as AR (DESIGN section 3): where q is close to the target, its pick is AR's pick.
+same position-keyed Gumbel noise as AR (docs/design.md section 3): where q is close to the target, its pick is AR's
+pick.
 """
 
 from __future__ import annotations

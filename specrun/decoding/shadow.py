@@ -1,8 +1,9 @@
 """Counterfactual acceptance of wider tries: every so often a step narrower than the full width drafts a full-width
 trie, verifies only its first nodes, and keeps the whole trie to walk later.
 
-Position-keyed sampling accepts a node iff its token is the one AR emits at its position (DESIGN section 2), so walking
-the trie over the tokens AR then emits gives exactly the path its verify would have accepted, with no forward paid.
+Position-keyed sampling accepts a node iff its token is the one AR emits at its position (docs/design.md section 3),
+so walking the trie over the tokens AR then emits gives exactly the path its verify would have accepted, with no
+forward paid.
 """
 
 from __future__ import annotations

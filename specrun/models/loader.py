@@ -66,7 +66,7 @@ def default_dtype(model_dir: Path, device: str) -> str:
 
     A bfloat16/float16 checkpoint runs in bfloat16 on CPUs with native bf16 (else float32) and as declared on CUDA;
     float32 checkpoints (tiny test models, the proxy) stay float32. Reduced precision is lossless up to numerical near
-    ties only (DESIGN section 2; `specrun bench` reports them).
+    ties only (docs/design.md section 2; `specrun bench` reports them).
     """
     declared = checkpoint_dtype(model_dir)
     if declared not in ("bfloat16", "float16") or device.startswith("cuda"):

@@ -103,7 +103,7 @@ def wide_heads(tmp_path_factory):
 @CUDA
 def test_flashinfer_batch_engine_is_ar_up_to_near_ties(wide_heads):
     """bf16 on CUDA, n-gram drafting, three sequences in one batch: each equals its solo AR run, or parts from it first
-    at a near tie (DESIGN section 2: the row count of a forward may move the last bits)."""
+    at a near tie (docs/design.md section 2: the row count of a forward may move the last bits)."""
     pytest.importorskip("flashinfer", reason="needs flashinfer (pip install 'specrun[cuda]')")
     from specrun.decoding.batch_engine import BatchConfig, BatchEngine
     from specrun.models.loader import load_model
