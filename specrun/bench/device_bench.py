@@ -181,7 +181,8 @@ def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict
     return out
 
 
-def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens: int, backends: list[str]) -> list[dict]:
+def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens: int,
+                backends: list[str]) -> list[dict]:
     """Aggregate tok/s of the batched engine, AR and n-gram speculation, at each concurrency and attention backend;
     per level, how many sequences' speculative tokens equal their AR tokens (reduced precision: near ties may part)."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)

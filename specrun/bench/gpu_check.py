@@ -55,7 +55,8 @@ class Check:
 
     def __init__(self, out: Path, device: str, budget: float):
         self.out, self.t0, self.budget = out, time.monotonic(), budget
-        self.report = {"device": device, "budget_s": budget, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.report = {"device": device, "budget_s": budget, "started": started,
                        "steps": {}}
         out.mkdir(parents=True, exist_ok=True)
         self.log_file = open(out / "gpu-check.log", "a", encoding="utf-8")
@@ -72,7 +73,8 @@ class Check:
     def step(self, name: str, fn, need: float = 0.0):
         """Run fn() as step `name` unless less than `need` seconds of the budget are left; record what happened."""
         if self.left() < need:
-            self.report["steps"][name] = {"ok": False, "skipped": f"{self.left():.0f} s left of the budget, needs ~{need:.0f}"}
+            why = f"{self.left():.0f} s left of the budget, needs ~{need:.0f}"
+            self.report["steps"][name] = {"ok": False, "skipped": why}
             self.log(f"{name}: skipped (budget)")
             return None
         self.log(f"{name}: start")
@@ -151,7 +153,7 @@ def _graph_works() -> bool:
 
 
 def run_tests(device: str, out: Path, timeout: float) -> dict:
-    """The gpu-marked tests in a subprocess (on CPU every one of them skips: the plumbing is what the dry run checks)."""
+    """The gpu-marked tests in a subprocess (on CPU every one of them skips: the dry run checks the plumbing)."""
     xml = out / "pytest-gpu.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs",
            f"--junitxml={xml}", *GPU_TESTS]
@@ -194,7 +196,8 @@ def bench_model(check: Check, name: str, spec: dict, plan: dict, device: str, ha
     check.report["steps"][f"{name}/build"]["result"] = {"parameters": sum(p.numel() for p in lm.model.parameters())}
     todo, bw = spec["measures"], None
     if "bandwidth" in todo:
-        bw = check.step(f"{name}/bandwidth", lambda: read_bandwidth(lm.device, megabytes=1024 if device == "cuda" else 64))
+        mb = 1024 if device == "cuda" else 64
+        bw = check.step(f"{name}/bandwidth", lambda: read_bandwidth(lm.device, megabytes=mb))
     if "decode" in todo:
         check.step(f"{name}/decode", lambda: db.decode_rates(lm, spec["contexts"], plan["steps"], bw), need=15)
     if "verify" in todo:
@@ -208,7 +211,7 @@ def bench_model(check: Check, name: str, spec: dict, plan: dict, device: str, ha
         backends = (["flashinfer"] if spec["cycle"] else ["sdpa", "flashinfer"]) if fi else ["sdpa"]
         check.step(f"{name}/batch", lambda: db.batch_rates(lm, plan["levels"], plan["prompt_len"], plan["new_tokens"],
                                                            backends), need=30)
-    del lm
+    lm = None  # the next model gets the memory back
     if device == "cuda":
         torch.cuda.empty_cache()
 

@@ -36,7 +36,9 @@ def chunk_size(bucket: int) -> int:
 
 def _chunks_lse(q, k, v, bias, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each chunk alone and its log-sum-exp: the efficient kernel on CUDA (its lse), float32 matmuls on
-    the CPU (the twin). # q: [N, Hkv, G, D], k/v: [N, Hkv, C, D], bias: [N, 1, 1, C] -> o: [N, Hkv, G, D], lse: [N, Hkv, G]
+    the CPU (the twin).
+
+    # q: [N, Hkv, G, D], k/v: [N, Hkv, C, D], bias: [N, 1, 1, C] -> o: [N, Hkv, G, D], lse: [N, Hkv, G]
     """
     if q.device.type == "cuda":
         bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])

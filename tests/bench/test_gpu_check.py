@@ -21,7 +21,8 @@ def test_dry_run_writes_every_step(tmp_path):
     steps = report["steps"]
     models = gpu_check.PLANS["cpu"]["models"]
     shapes = list(models)
-    assert list(steps) == ["carry", "environment", "tests"] + [f"{s}/{m}" for s in shapes for m in models[s]["measures"]]
+    measured = [f"{s}/{m}" for s in shapes for m in models[s]["measures"]]
+    assert list(steps) == ["carry", "environment", "tests"] + measured
     cycle = [s for s in shapes if models[s]["cycle"]]
     assert cycle and all(r["mean_accepted"] > 1 for r in steps[f"{cycle[0]}/batch"]["result"] if r["name"] == "spec")
     assert all(v["ok"] for v in steps.values()), {k: v.get("error") for k, v in steps.items()}

@@ -1,5 +1,6 @@
 """The CUDA path against its CPU twins: the static (CUDA-graph) step against eager AR, the sampler on CUDA against the
-CPU, flashinfer's batched engine against solo AR. Tests marked gpu skip without CUDA; the static step's twin runs here."""
+CPU, flashinfer's batched engine against solo AR. Tests marked gpu skip without CUDA; the static step's twin runs
+here."""
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_static_step_generates_the_eager_tokens(load_fixture, device, params):
     ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, params).token_ids
     engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
     assert engine.generate(prompt, params).token_ids == ref
-    assert engine.static.calls == params.max_tokens  # the prefill stops before the prompt's last token: every token a step
+    assert engine.static.calls == params.max_tokens  # the prefill stops before the prompt's last token: each a step
     longer = prompt * 2
     ref2 = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(longer, params).token_ids
     assert engine.generate(longer, params).token_ids == ref2
