@@ -28,6 +28,18 @@ _REFUSED = (
 )
 
 
+# rope types whose frequencies depend on the sequence length a forward sees (HF's dynamic_rope_update): a position's
+# rotary would depend on how many rows a forward carries or where a resume started (drafted or resumed != AR)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_types(config) -> set[str]:
+    """The rope types a config declares (rope_parameters, or older configs' rope_scaling; per layer type if nested)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    return {g.get("rope_type") or g.get("type") or "default" for g in groups if isinstance(g, dict)}
+
+
 def check_supported(config) -> None:
     """ValueError naming the architecture or feature that our forward would silently get wrong."""
     arch = getattr(config, "model_type", "?")
@@ -36,6 +48,11 @@ def check_supported(config) -> None:
     for name, applies in _REFUSED:
         if applies(getattr(config, name, None)):
             raise ValueError(f"{arch} config sets {name}={getattr(config, name)!r}, which specrun does not implement")
+    bad = sorted(rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
+    if bad:
+        raise ValueError(f"{arch} config uses rope_type={bad[0]!r}, whose frequencies depend on the sequence length a "
+                         f"forward sees: drafted and resumed output could differ from plain decoding, so specrun "
+                         f"refuses it (docs/design.md section 2)")
     window = getattr(config, "sliding_window", None)
     uses_window = getattr(config, "use_sliding_window", arch == "mistral")
     if uses_window and window is not None and window < config.max_position_embeddings:

@@ -37,3 +37,46 @@ def test_load_refuses_a_sliding_window_model_naming_the_feature(tiny_models, tmp
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="sliding-window attention"):
         load_model(str(d))
+
+
+ROPES = {  # rope_scaling as config.json spells it; the first two depend on the sequence length a forward sees
+    "longrope": dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                     original_max_position_embeddings=48),
+    "dynamic": dict(rope_type="dynamic", factor=4.0, original_max_position_embeddings=48),
+    "linear": dict(rope_type="linear", factor=2.0),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+}
+
+
+def _rope_model(tiny_models, tmp_path, name: str) -> str:
+    d = tmp_path / f"rope-{name}"
+    shutil.copytree(tiny_models["llama_gqa"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = ROPES[name]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("name", ["longrope", "dynamic"])
+def test_refuses_a_rope_whose_frequencies_depend_on_the_length(tiny_models, tmp_path, name):
+    """longrope switched factors past its original length by the largest position of the forward: a run resumed at
+    token 60 parted from the straight run (float64, drafted or not) before this refusal."""
+    with pytest.raises(ValueError, match=f"rope_type='{name}'"):
+        load_model(_rope_model(tiny_models, tmp_path, name))
+    with pytest.raises(ValueError, match=f"rope_type='{name}'"):
+        check_supported(LlamaConfig(rope_scaling=ROPES[name]))
+
+
+@pytest.mark.parametrize("name", ["linear", "llama3", "yarn"])
+def test_position_pure_ropes_draft_and_resume_as_ar(tiny_models, tmp_path, name):
+    from specrun.decoding.engine import Engine, EngineConfig
+    from specrun.decoding.sampling import SamplingParams
+
+    lm = load_model(_rope_model(tiny_models, tmp_path, name), dtype="float64")
+    prompt = lm.tokenizer.encode("the cat sat on the mat. the cat sat")
+    params = SamplingParams(max_tokens=120, temperature=0.8, seed=2, ignore_eos=True)
+    ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    assert Engine(lm, EngineConfig(drafters=("ngram", "recycling"))).generate(prompt, params).token_ids == ar
+    assert Engine(lm, EngineConfig(drafters=())).generate(prompt, params, resume_from=ar[:60]).token_ids == ar
