@@ -21,4 +21,4 @@ proxy:
 DEVICE ?= cuda
 OUT ?= gpu-check-out
 gpu-check:
-	$(PYTHON) -m specrun.bench.gpu_check --device $(DEVICE) --out $(OUT)
+	$(PYTHON) -m specrun.bench.gpu_check --device $(DEVICE) --out $(OUT) $(if $(BUDGET),--budget $(BUDGET))

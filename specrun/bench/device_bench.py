@@ -19,7 +19,7 @@ from specrun.decoding.neartie import check_divergence
 from specrun.decoding.paged_runner import kv_bytes_per_token
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.static_step import StaticStep
+from specrun.decoding.static_step import StaticStep, bucket_of
 from specrun.models.loader import LoadedModel
 
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
@@ -122,7 +122,8 @@ def decode_rates(lm: LoadedModel, contexts: list[int], steps: int, bandwidth: fl
         eager = _timed(lambda: int(runner.logits(runner.forward(token, pos, one)).argmax()), steps, dev)
         graph = _timed(lambda: int(runner.logits(static.forward(token, pos)).argmax()), steps, dev)
         floor = (weights + per_token * c) / bandwidth
-        out.append({"context": c, "eager_ms": eager * 1e3, "static_ms": graph * 1e3,
+        out.append({"context": c, "static_bucket": bucket_of(c + 1, runner.cache.capacity),  # slots it attends
+                    "eager_ms": eager * 1e3, "static_ms": graph * 1e3,
                     "eager_tokens_per_s": 1 / eager, "static_tokens_per_s": 1 / graph, "roofline_ms": floor * 1e3,
                     "eager_roofline_share": floor / eager, "static_roofline_share": floor / graph,
                     "static_graphs": static.graphs})
@@ -159,7 +160,8 @@ def _prompts(lm: LoadedModel, n: int, length: int) -> list[list[int]]:
 
 
 def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict]:
-    """The solo engine end to end (greedy, EOS ignored): AR eager, AR with static steps, n-gram + recycling drafts."""
+    """The solo engine end to end (greedy, EOS ignored; the prompt's prefill inside the timed run): AR eager, AR with
+    static steps, n-gram + recycling drafts."""
     prompt = _prompts(lm, 1, prompt_len)[0]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     runs = {"ar_eager": EngineConfig(drafters=(), step_graphs="off"),

@@ -7,7 +7,6 @@ Each step is timed and its failure recorded without stopping the rest; a step th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
@@ -241,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         check.step("tests", lambda: run_tests(args.device, args.out, plan["tests_timeout"]), need=30)
     for name, spec in models.items():
-        with contextlib.suppress(Exception):
+        try:
             bench_model(check, name, spec, plan, args.device, bool(env.get("flashinfer")))
+        except Exception as e:  # noqa: BLE001 (a fault between steps: recorded, the next model still runs)
+            check.report["steps"][f"{name}/error"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            check.log(f"{name}: FAILED between steps: {e}")
     check.write()
     failed = [k for k, v in check.report["steps"].items() if not v["ok"]]
     check.log(f"done in {check.report['elapsed_s']} s; failed or skipped: {failed or 'none'}")

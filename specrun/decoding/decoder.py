@@ -48,7 +48,8 @@ def check_supported(config) -> None:
     for name, applies in _REFUSED:
         if applies(getattr(config, name, None)):
             raise ValueError(f"{arch} config sets {name}={getattr(config, name)!r}, which specrun does not implement")
-    bad = sorted(rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
+    bad = sorted(t for t in rope_types(config) if any(d in t for d in LENGTH_DEPENDENT_ROPE))  # HF matches "dynamic"
+    # as a substring
     if bad:
         raise ValueError(f"{arch} config uses rope_type={bad[0]!r}, whose frequencies depend on the sequence length a "
                          f"forward sees: drafted and resumed output could differ from plain decoding, so specrun "

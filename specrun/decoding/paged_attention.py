@@ -9,6 +9,7 @@ where our kernels run, `sdpa` and `dense` forwards of one-page sequences run the
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -29,8 +30,16 @@ def check_paged_backend(name: str) -> None:
         raise ValueError(f"unknown batched attention backend {name!r}; choose from auto, {', '.join(PAGED_BACKENDS)}")
 
 
+@functools.cache
 def flashinfer_available() -> bool:
-    return importlib.util.find_spec("flashinfer") is not None
+    """Whether flashinfer imports here (installed is not enough: a missing dependency fails at import)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001 (any import failure means: not usable here)
+        return False
+    return True
 
 
 def resolve_backend(name: str, dtype: torch.dtype, device, head_dim: int | None = None) -> str:

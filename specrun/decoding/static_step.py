@@ -14,7 +14,8 @@ from specrun.decoding.runner import SLOT_BLOCK, ModelRunner
 
 MIN_BUCKET = 256  # slots attended by the smallest bucket; buckets double up to the cache's capacity
 SPLIT_FROM = 4096  # buckets this long attend in chunks (split-KV), merged by log-sum-exp
-MIN_CHUNKS = 64  # chunks a split bucket keeps at least (with 8 KV heads: 512 blocks of work for the GPU)
+MIN_CHUNKS = 64  # chunks a split bucket keeps where it can (a 4,096-slot bucket: 16 of SLOT_BLOCK); 64 with 8 KV
+# heads make 512 blocks of work for the GPU
 WARMUP = 2  # eager runs on a side stream before a capture (torch's rule: lazy initialisations happen outside it)
 
 
@@ -35,18 +36,20 @@ def chunk_size(bucket: int) -> int:
 
 
 def _chunks_lse(q, k, v, bias, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of each chunk alone and its log-sum-exp: the efficient kernel on CUDA (its lse), float32 matmuls on
-    the CPU (the twin).
+    """Attention of each chunk alone and its log-sum-exp: the efficient kernel on CUDA in reduced precision and float32
+    (its lse), matmuls in float32 or wider elsewhere (the CPU twin; CUDA float64, which that kernel lacks). A chunk
+    with no visible key has no defined result here (the CUDA kernel returns lse 0): the caller masks it.
 
     # q: [N, Hkv, G, D], k/v: [N, Hkv, C, D], bias: [N, 1, 1, C] -> o: [N, Hkv, G, D], lse: [N, Hkv, G]
     """
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and q.dtype != torch.float64:
         bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
         return o.float(), lse[..., : q.shape[2]]
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale + bias  # [N, Hkv, G, C]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale + bias.to(acc)  # [N, Hkv, G, C]
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.float()), lse
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)), lse
 
 
 class _StaticContext:
@@ -59,10 +62,11 @@ class _StaticContext:
         idx = torch.arange(bucket, device=slot.device)
         self.visible = (idx <= slot)[None, None, None, :]  # [1, 1, 1, bucket] bool, computed in the step
         self.chunk = chunk_size(bucket) if bucket >= SPLIT_FROM else 0
-        if self.chunk:  # [N, 1, 1, C] float: 0 where visible, -inf elsewhere
+        if self.chunk:  # [N, 1, 1, C] float: 0 where visible, -inf elsewhere; live: [N, 1, 1] chunks with a key seen
             n = bucket // self.chunk
             self.bias = torch.zeros(bucket, device=slot.device).masked_fill_(idx > slot, float("-inf"))
             self.bias = self.bias.view(n, 1, 1, self.chunk)
+            self.live = (torch.arange(n, device=slot.device) * self.chunk <= slot)[:, None, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling):
         """# q: [1, Hq, 1, D], k/v: [1, Hkv, 1, D] -> [1, 1, Hq, D]"""
@@ -81,8 +85,9 @@ class _StaticContext:
         values = cv[:, : self.bucket].view(Hkv, n, C, D).transpose(0, 1)
         scale = D**-0.5 if scaling is None else scaling
         o, lse = _chunks_lse(qg.expand(n, -1, -1, -1).contiguous(), keys, values, self.bias, scale)
-        w = torch.exp(lse - lse.amax(dim=0))  # [N, Hkv, G]; a chunk of masked keys only weighs 0
-        o = torch.nan_to_num(o, nan=0.0) * w[..., None]
+        lse = lse.masked_fill(~self.live, float("-inf"))  # a chunk of masked keys weighs 0, whatever its kernel said
+        w = torch.exp(lse - lse.amax(dim=0))  # [N, Hkv, G]
+        o = torch.where(self.live[..., None], o, 0.0) * w[..., None]
         out = o.sum(dim=0) / w.sum(dim=0)[..., None]  # [Hkv, G, D]
         return out.to(q.dtype).reshape(1, 1, Hq, D)
 
@@ -134,7 +139,7 @@ class StaticStep:
             self._captured[bucket] = self._capture(bucket)
         graph, out = self._captured[bucket]
         graph.replay()
-        return out
+        return out.clone()  # the graph's output buffer is rewritten by the next replay; drafters keep hidden rows
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream (it runs the step for the current inputs: the same K/V written to the same slot,

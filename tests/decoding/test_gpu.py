@@ -36,9 +36,10 @@ def test_static_step_generates_the_eager_tokens(load_fixture, device, params):
     engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
     assert engine.generate(prompt, params).token_ids == ref
     assert engine.static.calls == params.max_tokens  # the prefill stops before the prompt's last token: each a step
-    longer = prompt * 2
+    longer, first_cache = prompt * 2, engine.runner.cache
     ref2 = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(longer, params).token_ids
     assert engine.generate(longer, params).token_ids == ref2
+    assert engine.runner.cache is not first_cache  # the cache grew: the static step took the new one
     if device == "cuda":
         assert engine.static.graphs and len(engine.static._captured) >= 2
 
@@ -55,6 +56,35 @@ def test_split_buckets_attend_as_one_pass(load_fixture, device, monkeypatch):
     ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
     assert engine.generate(prompt, SAMPLED).token_ids == ref and engine.static.calls == SAMPLED.max_tokens
+
+
+@pytest.mark.parametrize("kernel", ["own", "lse 0 for masked chunks"])
+def test_split_bucket_hidden_state_is_the_eager_one(load_fixture, monkeypatch, kernel):
+    """float64, slot 2,100 of a 4,096 bucket in 16 chunks of 256 (the last 7 see nothing): the static step's hidden
+    state is the eager forward's to 1e-10, also where the chunk kernel returns lse 0 and output 0 for a blind chunk,
+    as CUDA's efficient attention does (such chunks counting in the merge shrank the attention by a few %)."""
+    from specrun.decoding import static_step
+    from specrun.decoding.runner import ModelRunner
+
+    if kernel != "own":
+        chunks = static_step._chunks_lse
+
+        def cuda_like(q, k, v, bias, scale):
+            o, lse = chunks(q, k, v, bias, scale)
+            blind = torch.isinf(bias).all(dim=-1)  # [N, 1, 1]
+            return o.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, 0.0)
+
+        monkeypatch.setattr(static_step, "_chunks_lse", cuda_like)
+    lm = load_fixture("llama_gqa", dtype="float64")
+    runner = ModelRunner(lm, max_rows=256)
+    runner.reset(4096)
+    runner.prefill(torch.randint(0, 200, (2100,), generator=torch.Generator().manual_seed(0)), 256)
+    token, position = torch.tensor([7]), torch.tensor([2100])
+    eager = runner.forward(token, position, torch.ones((1, 1), dtype=torch.bool))
+    static = static_step.StaticStep(runner).forward(token, position)
+    assert static_step.bucket_of(2101, runner.cache.capacity) == 4096 == static_step.SPLIT_FROM
+    assert static_step.chunk_size(4096) == 256  # 16 chunks: 9 hold a committed slot or the new one
+    assert (static - eager).abs().max() < 1e-10
 
 
 def test_spec_steps_of_width_one_take_the_static_step(load_fixture):
