@@ -13,6 +13,7 @@ import time
 import torch
 
 from specrun.bench.roofline import read_bandwidth, step_weight_bytes
+from specrun.bench.runner import _sync
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.neartie import check_divergence
@@ -37,11 +38,6 @@ SHAPES = {
     "tiny-b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=32, vocab_size=512, tie_word_embeddings=True),
 }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def random_model(shape: str, dtype: torch.dtype, device: str | torch.device, cycle: int = 0) -> LoadedModel:
@@ -94,7 +90,7 @@ def _make_cycle(model, n: int) -> None:
 
 
 def _timed(fn, steps: int, device) -> float:
-    """Median-free mean seconds of fn() over `steps` calls after one untimed call (each call ends in a host sync)."""
+    """Mean seconds of fn() over `steps` calls after one untimed call (each call ends in a host sync)."""
     fn()
     _sync(device)
     t = time.perf_counter()

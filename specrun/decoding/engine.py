@@ -140,8 +140,6 @@ class Engine:
         heads, self.recurrent, names = resolve_drafting(config, lm, heads)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
-        graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
-        self.static = StaticStep(self.runner) if graphs else None
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafters: list[Drafter] = [
             QuantDrafter(self.runner, quantized(self.runner.decoder)) if n == "quant" else
@@ -153,6 +151,9 @@ class Engine:
             if isinstance(d, QuantDrafter) and ngram is not None and ngram.topk:
                 d.copy = ngram.copy  # where the copy drafts, it leads
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
+        # width-1 steps by the static step, but where the self-draft reads each forward's queries
+        graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
+        self.static = StaticStep(self.runner) if graphs and not self._capture else None
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self._ahead = [self._merge_order[: self._merge_order.index(i)] for i in range(len(names))]  # merged before i
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
@@ -254,7 +255,7 @@ class Engine:
     def _verify(self, st: Sequence, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
         positions = trie.depths + (st.n - 1)
-        if trie.size == 1 and self.static is not None and not self._capture:
+        if trie.size == 1 and self.static is not None:
             hidden = self.static.forward(trie.tokens, positions)
             return hidden, self.runner.logits(hidden)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)

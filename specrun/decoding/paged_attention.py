@@ -10,7 +10,6 @@ where our kernels run, `sdpa` and `dense` forwards of one-page sequences run the
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -33,8 +32,6 @@ def check_paged_backend(name: str) -> None:
 @functools.cache
 def flashinfer_available() -> bool:
     """Whether flashinfer imports here (installed is not enough: a missing dependency fails at import)."""
-    if importlib.util.find_spec("flashinfer") is None:
-        return False
     try:
         import flashinfer  # noqa: F401
     except Exception:  # noqa: BLE001 (any import failure means: not usable here)

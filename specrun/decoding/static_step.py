@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specrun.decoding.attention import attend_lse
 from specrun.decoding.runner import SLOT_BLOCK, ModelRunner
 
 MIN_BUCKET = 256  # slots attended by the smallest bucket; buckets double up to the cache's capacity
@@ -46,10 +47,7 @@ def _chunks_lse(q, k, v, bias, scale) -> tuple[torch.Tensor, torch.Tensor]:
         bias = bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
         return o.float(), lse[..., : q.shape[2]]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale + bias.to(acc)  # [N, Hkv, G, C]
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)), lse
+    return attend_lse(q, k, v, scale, torch.isfinite(bias))
 
 
 class _StaticContext:
@@ -60,9 +58,10 @@ class _StaticContext:
     def __init__(self, runner: ModelRunner, bucket: int, slot: torch.Tensor):
         self.cache, self.bucket, self.slot = runner.cache, bucket, slot
         idx = torch.arange(bucket, device=slot.device)
-        self.visible = (idx <= slot)[None, None, None, :]  # [1, 1, 1, bucket] bool, computed in the step
         self.chunk = chunk_size(bucket) if bucket >= SPLIT_FROM else 0
-        if self.chunk:  # [N, 1, 1, C] float: 0 where visible, -inf elsewhere; live: [N, 1, 1] chunks with a key seen
+        if not self.chunk:
+            self.visible = (idx <= slot)[None, None, None, :]  # [1, 1, 1, bucket] bool, computed in the step
+        else:  # [N, 1, 1, C] float: 0 where visible, -inf elsewhere; live: [N, 1, 1] chunks with a key seen
             n = bucket // self.chunk
             self.bias = torch.zeros(bucket, device=slot.device).masked_fill_(idx > slot, float("-inf"))
             self.bias = self.bias.view(n, 1, 1, self.chunk)
