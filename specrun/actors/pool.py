@@ -64,6 +64,9 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
         finally:
             if main:
                 signal.signal(signal.SIGHUP, old)
+        from specrun.actors.reaper import start_reaper
+
+        start_reaper()  # a SIGKILLed driver leaves no Ray process behind
     return True
 
 

@@ -9,6 +9,7 @@ retried at the next checkpoint; it never fails the prompt (the driver's output w
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import socket
@@ -192,7 +193,7 @@ class GenerationWorker:
             ckpt.flush(result.token_ids)
             ckpt.best_effort("live status", self.records.clear_live, task["id"])
             return {"id": task["id"], "stopped": True, "n_tokens": len(result.token_ids),
-                    "checkpointed": ckpt.start, "warnings": ckpt.report()}
+                    "checkpointed": ckpt.start, "warnings": ckpt.report(), "disk_full": ckpt.disk_full}
         ckpt.finish(result.token_ids)
         ckpt.snapshot()
         return {"id": task["id"], "stopped": False, "token_ids": result.token_ids,
@@ -223,6 +224,7 @@ class _Checkpointer:
         self.timeline = TimelineLog(timeline_path(worker.root, prompt_id), resumed)
         self.row_at, self.row_stats = self.t0, {}  # where the next timeline row starts: clock, engine counters
         self.stats = None  # () -> this generation's GenStats (set by the worker: solo engine or batch loop)
+        self.disk_full: str | None = None  # the first write refused for lack of space
         self._live(time.monotonic(), force=True)
 
     def __call__(self, emitted: list[int]) -> bool:
@@ -237,13 +239,16 @@ class _Checkpointer:
             self.snapshot()
             self.last_ckpt = now
         self._live(now, force=checkpoint)  # a checkpoint is news: status shows it at once
-        return self.w.stop.is_set()
+        # a full disk stops this generation at once: what it would generate next could not be checkpointed either
+        return self.w.stop.is_set() or self.disk_full is not None
 
     def best_effort(self, what: str, fn, *args) -> bool:
         try:
             fn(*args)
             return True
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT) and self.disk_full is None:
+                self.disk_full = f"{e.filename or self.progress}: {e.strerror or e}"  # this generation stops
             f = self.failures.setdefault(what, [0, ""])
             f[0] += 1
             f[1] = f"{type(e).__name__}: {e}"

@@ -10,7 +10,58 @@ import click
 from specrun import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Main(click.Group):
+    """The rule of every command: no traceback for a user's input, file or environment. An OSError (a read-only or
+    full disk, a permission) is one line naming the file; any other unexpected error is one line saying where its
+    full traceback was written."""
+
+    def invoke(self, ctx):
+        from specrun.jobs.interrupts import stop_on_signals
+
+        try:
+            with stop_on_signals() as stopped:  # from the first instant, not only once the driver is up
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo(f"stopped by {stopped.name}", err=True)
+            ctx.exit(128 + stopped.signum)
+        except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
+            raise
+        except OSError as e:
+            raise click.ClickException(describe_os_error(e)) from e
+        except Exception as e:  # the one place that turns a bug into a report
+            raise click.ClickException(f"internal error: {type(e).__name__}: {str(e)[:300]} "
+                                       f"({write_traceback(e)})") from e
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line: what failed, on which file, and what it means for the job."""
+    import errno
+
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    what = f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e.strerror or e}"
+    hint = {errno.ENOSPC: "free some space, then run the command again (checkpointed tokens are kept)",
+            errno.EDQUOT: "free some space, then run the command again (checkpointed tokens are kept)",
+            errno.EROFS: "the file system is read-only; `specrun status` and `specrun export` still read a job there",
+            errno.EACCES: "check the permissions", errno.EPERM: "check the permissions"}.get(e.errno)
+    return what + (f" ({hint})" if hint else "")
+
+
+def write_traceback(e: BaseException) -> str:
+    """Writes the traceback to a file in the temporary directory; -> where (or why it could not be written)."""
+    import tempfile
+    import time
+    import traceback
+
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"specrun-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write("".join(traceback.format_exception(e)))
+        return f"full traceback in {path}; please report it"
+    except OSError as err:
+        return f"its traceback could not be written: {err}"
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="specrun")
 def main() -> None:
     """Lossless speculative decoding for ultra-long generations, run as resumable jobs.

@@ -35,8 +35,12 @@ def encode_prompt(lm, text: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(lm.tokenizer, "chat_template", None):
             raise click.UsageError("--chat: this model's tokenizer has no chat template")
-        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
+        try:
+            text = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template is the model's code (a sandbox refusal, a raise)
+            raise click.ClickException(f"the model's chat template refused the prompt: {type(e).__name__}: "
+                                       f"{str(e)[:300]}") from None
     ids = lm.tokenizer.encode(text, add_special_tokens=not chat)  # the template already holds the special tokens
     if not ids:
         raise click.ClickException("the prompt encodes to no tokens")

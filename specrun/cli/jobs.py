@@ -85,7 +85,8 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
     except JobError as e:
         raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
-        return 130
+        click.echo(f"stopped; checkpointed tokens are kept. Resume with: specrun resume {job.root}", err=True)
+        raise
     return summary.exit_code
 
 

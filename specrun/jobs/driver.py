@@ -18,6 +18,7 @@ Arrow until dispatched. If the job lock is lost (storage/lock.py), the run stops
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 import time
@@ -32,8 +33,10 @@ from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOpti
 from specrun.jobs.slots import _cause, _Slots, _Start
 from specrun.jobs.workerspec import worker_spec
 from specrun.storage.chunks import read_progress
+from specrun.storage.outputs import is_foreign
 from specrun.storage.records import output_row
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
 SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
 
@@ -87,7 +90,8 @@ class _Driver(_Slots):
         self.display = _SafeDisplay(self.view)
         try:
             for problem in scan.problems:
-                self.display.warn(f"outputs: {problem}; the prompts it held are generated again")
+                lost = "" if is_foreign(problem) else "; the prompts it held are generated again"
+                self.display.warn(f"outputs: {problem}{lost}")
             if not todo:
                 self.display.log(f"all {len(self.prompts)} prompts of {self.job.root} are done")
             else:
@@ -182,10 +186,12 @@ class _Driver(_Slots):
         stopping, stop_by = False, 0.0
         while inflight or (queue and not stopping):
             lock_lost = not stopping and self.job.lock_lost()
-            if (intr.requested or lock_lost) and not stopping:
+            full = self.summary.disk_full is not None
+            if (intr.requested or lock_lost or full) and not stopping:
                 stopping, stop_by = True, time.monotonic() + self.opts.stop_timeout_s
                 self.summary.stop_signal = intr.signum if intr.requested else signal.SIGTERM
-                why = intr.name if intr.requested else "the job lock was lost (see the warning above)"
+                why = (intr.name if intr.requested else "the disk is full" if full
+                       else "the job lock was lost (see the warning above)")
                 self.display.warn(f"{why}: checkpointing {len(inflight)} running prompt(s) and stopping "
                                   f"({intr.name} again to stop at once)")
                 for slot, _ in inflight.values():
@@ -238,7 +244,10 @@ class _Driver(_Slots):
         for w in res.get("warnings") or ():
             self.display.warn(f"prompt {pid!r}: {w} (best-effort, retried at each checkpoint)")
         if res["stopped"]:
-            self.summary.stopped.append(pid)
+            if res.get("disk_full"):
+                self._disk_full(pid, OSError(errno.ENOSPC, res["disk_full"]))
+            else:
+                self.summary.stopped.append(pid)
             return
         p = self.prompts[pid]
         try:
@@ -246,7 +255,10 @@ class _Driver(_Slots):
                                              prompt_tokens=p.n_input, resumed_tokens=res["resumed_tokens"],
                                              attempts=self.attempts[pid]))
         except OSError as e:  # disk full, stale handle: the prompt is not done; its checkpoints are kept
-            self._fail(pid, f"could not write its output row: {type(e).__name__}: {e}")
+            if e.errno in DISK_FULL:
+                self._disk_full(pid, e)
+            else:
+                self._fail(pid, f"could not write its output row: {type(e).__name__}: {e}")
             return
         try:  # every token is in the durable row now: the chunks have served (I3)
             self.rec.drop_progress(pid)
@@ -258,6 +270,15 @@ class _Driver(_Slots):
         self.compactor.add(pid)
         for m in self.compactor.drain():
             self.display.warn(m)
+
+    def _disk_full(self, pid: str, e: OSError) -> None:
+        """No space for a prompt's row or checkpoint: it stays not done (its checkpoints are kept), nothing more starts,
+        and the running prompts are asked to checkpoint what they can and stop (the loop sees summary.disk_full)."""
+        self.summary.stopped.append(pid)
+        if self.summary.disk_full is None:
+            self.summary.disk_full = f"{e.filename or self.rec.outputs}: {e.strerror or e}"
+            self.display.warn(f"no space left on the job's disk ({self.summary.disk_full}), seen by prompt {pid!r}: "
+                              f"starting no more prompts")
 
     def _fail(self, pid: str, error: str) -> None:
         try:
@@ -282,7 +303,11 @@ class _Driver(_Slots):
         s = self.summary
         self.display.log(f"{len(s.done)} prompt(s) finished, {len(s.failed)} failed"
                          + (f", {len(s.stopped) + len(queue)} left" if s.interrupted else ""))
-        if s.interrupted:
+        if s.disk_full:
+            self.display.warn(f"stopped: the disk holding the job is full ({s.disk_full}); "
+                              f"{len(s.stopped) + len(queue)} prompt(s) left, their checkpointed tokens kept. Free "
+                              f"some space, then: specrun resume {self.job.root}")
+        elif s.interrupted:
             kept = "checkpointed tokens are kept" if self.stop_timed_out else "every generated token is checkpointed"
             self.display.warn(f"stopped; {kept}. Resume with: specrun resume {self.job.root}")
         if not s.interrupted and not s.failed:

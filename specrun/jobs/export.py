@@ -18,7 +18,9 @@ import pyarrow as pa
 
 from specrun.jobs.jobdir import JobDir
 from specrun.jobs.openai_out import OpenAIBatchLines
+from specrun.jobs.printable import printable
 from specrun.storage.atomic import atomic_path
+from specrun.storage.outputs import is_foreign
 from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import OUTPUT
 
@@ -79,6 +81,6 @@ def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
         with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.writelines(_lines(counted(), fmt, openai))
     for p in problems:
-        print(f"warning: {p}; those rows were not exported (`specrun resume {job.root}` generates them again)",
-              file=sys.stderr)
+        lost = "" if is_foreign(p) else f"; those rows were not exported (`specrun resume {job.root}` generates them again)"
+        print(f"warning: {printable(p)}{lost}", file=sys.stderr)
     return n, n_prompts - n

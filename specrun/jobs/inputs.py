@@ -109,9 +109,23 @@ def _check_text(s: str, where: str) -> None:
         raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
 
 
+def max_text_bytes(tokenizer, max_context: int) -> int:
+    """Most UTF-8 bytes of text that can encode to max_context tokens or fewer: no token stands for more bytes than
+    its longest vocabulary string spells (x4: normalizers such as NFKC shrink some characters). Longer text is refused
+    before it is tokenized (a 50 MB line took minutes and GBs to find out)."""
+    try:
+        longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):  # no vocabulary to read: only the line limit applies
+        return MAX_LINE_BYTES
+    return max_context * max(longest, 1) * 4
+
+
 class _Validator:
     def __init__(self, tokenizer, max_context: int, vocab_size: int, base: SamplingParams):
         self.tok, self.max_context, self.vocab_size, self.base = tokenizer, max_context, vocab_size, base
+        self.max_text = max_text_bytes(tokenizer, max_context)
+        # JSON spells a byte as at most 6 characters (\u00xx); any valid line fits in this
+        self.max_line = min(MAX_LINE_BYTES, 6 * self.max_text + (1 << 20))
 
     def record(self, obj, line: int) -> PromptRecord:
         if not isinstance(obj, dict):
@@ -168,6 +182,11 @@ class _Validator:
             raise ValueError(f"{what} holds {_short.repr(bad[0])}: token ids must be integers in "
                              f"[0, {self.vocab_size})")
 
+    def _check_size(self, n_bytes: int, what: str) -> None:
+        if n_bytes > self.max_text:
+            raise ValueError(f"{what} is {n_bytes} bytes: more than any text of at most {self.max_context} tokens "
+                             f"(the model context) can be with this tokenizer ({self.max_text} bytes); not tokenized")
+
     def _encode(self, kind: str, value) -> tuple[str | None, list[int]]:
         if kind == "input_ids":
             if not isinstance(value, list) or not value:
@@ -185,6 +204,7 @@ class _Validator:
                     raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
             if not getattr(self.tok, "chat_template", None):
                 raise ValueError("messages given, but the model's tokenizer has no chat template (use 'prompt')")
+            self._check_size(sum(len(m["content"].encode("utf-8")) for m in value), "messages' contents")
             try:
                 text = self.tok.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # noqa: BLE001 - the template is the model's code: any failure is this line's fault
@@ -195,20 +215,21 @@ class _Validator:
                 raise ValueError(f"prompt must be a string, got {type(value).__name__}")
             if not value:
                 raise ValueError("prompt is empty")
+            self._check_size(len(value.encode("utf-8")), "prompt")
             text, ids = value, self.tok.encode(value, add_special_tokens=True)
         if not ids:
             raise ValueError("prompt encodes to no tokens")
         return text, ids
 
 
-def _lines(f, h):
-    """(line number, bytes) of a binary stream, each line fed to the hash h as read; an over-long line -> None."""
+def _lines(f, h, limit: int = MAX_LINE_BYTES):
+    """(line number, bytes) of a binary stream, each line fed to the hash h as read; a line over `limit` -> None."""
     line = 0
-    while data := f.readline(MAX_LINE_BYTES + 1):
+    while data := f.readline(limit + 1):
         line += 1
         h.update(data)
-        if len(data) > MAX_LINE_BYTES:
-            while not data.endswith(b"\n") and (data := f.readline(MAX_LINE_BYTES)):
+        if len(data) > limit:
+            while not data.endswith(b"\n") and (data := f.readline(1 << 20)):
                 h.update(data)  # skip (but hash) the rest of the line
             data = None
         yield line, data
@@ -237,10 +258,11 @@ def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int,
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            for line, data in _lines(f, h):
+            for line, data in _lines(f, h, v.max_line):
                 try:
                     if data is None:
-                        raise ValueError(f"longer than {MAX_LINE_BYTES} bytes")
+                        raise ValueError(f"longer than {v.max_line} bytes: no line holding a prompt that fits the "
+                                         f"model context ({max_context} tokens) is that long; not read")
                     obj = _parse(data, line)
                     if obj is _BLANK:
                         continue

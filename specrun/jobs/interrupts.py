@@ -40,6 +40,36 @@ class _Interrupts:
         self.old = {}
 
 
+class stop_on_signals:
+    """with stop_on_signals() as stopped: SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, so that one
+    arriving before the driver's own handler is up (imports, the prompt scan, ray.init) takes the clean path: lock
+    released, the run recorded, one line. `stopped.signum` says which signal it was. Main thread only; the previous
+    handlers come back on exit."""
+
+    def __init__(self):
+        self.signum = signal.SIGINT
+        self.old: dict = {}
+
+    @property
+    def name(self) -> str:
+        return "Ctrl-C" if self.signum == signal.SIGINT else signal.Signals(self.signum).name
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in _Interrupts.SIGNALS:
+                self.old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+        self.old = {}
+
+
 class _SafeDisplay:
     """A progress view (progress.py), with output errors ignored: after SIGHUP the terminal is gone, and a failed
     write to it must not keep the running prompts from being checkpointed."""

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 import os
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,7 +22,7 @@ from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, read_json
-from specrun.storage.fs import fs_of, job_path, location as location_of
+from specrun.storage.fs import fs_of, is_tmp_name, job_path, location as location_of
 from specrun.storage.lock import JobLock, LockHeld, read_lock
 from specrun.storage.names import id_key
 from specrun.storage.records import Records
@@ -53,7 +54,7 @@ class JobDir:
     def __init__(self, location: str | os.PathLike):
         self.root = job_path(location)  # a Path, or an ObjectPath for an object-store URI (storage/fs.py)
         self.fs = fs_of(self.root)
-        self.records = Records(self.root)
+        self.records = Records(self.root, self.prompt_ids)
         self.manifest_path = self.root / "job.json"
         self.prompts_path = self.root / "prompts.parquet"
         self.lock_path = self.root / "lock.json"
@@ -77,6 +78,9 @@ class JobDir:
     def manifest(self) -> dict:
         """job.json; JobError naming it when it is missing, unreadable or fails its checksum (it cannot be rebuilt)."""
         if not self.exists():
+            if self.half_created():
+                raise JobError(f"{self.root} is a job whose creation was interrupted (it has no job.json yet): run the "
+                               f"same `specrun submit` again to create it")
             raise JobError(f"{self.root} is not a specrun job (no job.json)")
         try:
             m = read_json(self.manifest_path)
@@ -151,12 +155,45 @@ class JobDir:
         t = self._prompt_table(["id", "source"])
         return zip(t.column("id").to_pylist(), t.column("source").to_pylist())
 
+    # -- creation: only specrun's own names are ever removed ------------------------------------------------------
+    def creation_leftovers(self) -> list[str] | None:
+        """The names in a directory without job.json that a creation killed midway leaves (prompts.parquet, the
+        temporaries of prompts.parquet, job.json and lock.json, a lock and its takeover claims); None when it holds
+        anything else (it is not ours to touch)."""
+        own = {"prompts.parquet", self.lock_path.name}
+        names = self.fs.list(self.root)
+        for n in names:
+            base = n[1:].rsplit(".", 2)[0] if is_tmp_name(n) else None
+            if not (n in own or base in ("prompts.parquet", "job.json", self.lock_path.name)
+                    or n.startswith(f".{self.lock_path.name}.takeover-")):
+                return None
+        return names
+
+    def half_created(self) -> bool:
+        names = self.creation_leftovers()
+        return bool(names) and names != [self.lock_path.name]
+
+    def check_confined(self) -> None:
+        """JobError when anything inside the job directory is a symbolic link: specrun writes, moves and removes files
+        only inside the job, and a linked sub-directory would take it elsewhere (the job directory itself may be a
+        link). Local disks only (object stores have no links)."""
+        if not isinstance(self.root, Path):
+            return
+        for top, dirs, files in os.walk(self.root):  # links to directories are listed, never entered
+            for n in dirs + files:
+                p = Path(top) / n
+                if p.is_symlink():
+                    raise JobError(f"{p} is a symbolic link (to {os.readlink(p)}): specrun writes, moves and deletes "
+                                   f"files only inside the job directory {self.root}; replace the link with a real "
+                                   f"{'directory' if n in dirs else 'file'}")
+
     # -- lock -----------------------------------------------------------------------------------------------------
     def lock_owner(self) -> dict | None:
         return self.lock.owner()
 
     def acquire_lock(self) -> None:
         self.fs.mkdir(self.root)
+        self.check_confined()
         try:
             self.lock.acquire()
         except LockHeld as e:
@@ -174,6 +211,12 @@ class JobDir:
                 f"{time.ctime(started) if isinstance(started, (int, float)) else '?'}{since}); if that driver is "
                 f"gone for good, delete {self.lock_path}, or wait for its lease ({o.get('lease_s', '?')} s after its "
                 f"last heartbeat) to expire") from None
+
+    def remove_leftovers(self, names: list[str]) -> None:
+        """Remove what creation_leftovers() listed (under the lock), so the job is created anew."""
+        for n in names:
+            if n != self.lock_path.name:
+                self.fs.delete(self.root / n)
 
     def release_lock(self) -> None:
         self.lock.release()

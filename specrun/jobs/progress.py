@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from specrun.jobs.printable import printable
+
 PLAIN_EVERY_S = 10.0
 
 
@@ -31,7 +33,7 @@ class QuietView:
         pass
 
     def warn(self, msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        print(printable(msg), file=sys.stderr, flush=True)
 
     def update(self, snap: Snapshot) -> None:
         pass
@@ -47,7 +49,7 @@ class PlainView(QuietView):
         self.every_s, self.last = every_s, 0.0
 
     def log(self, msg: str) -> None:
-        print(msg, flush=True)
+        print(printable(msg), flush=True)
 
     def update(self, snap: Snapshot) -> None:
         now = time.monotonic()

@@ -4,6 +4,7 @@ prompt (tokens/max, tok/s, accepted tokens per step, ETA), drawn from the driver
 
 from __future__ import annotations
 
+from specrun.jobs.printable import printable
 from specrun.jobs.progress import Snapshot
 from specrun.jobs.status import _eta
 
@@ -32,7 +33,7 @@ class RichView:
         return self.progress
 
     def log(self, msg: str) -> None:
-        self._started().console.print(msg, markup=False, highlight=False)
+        self._started().console.print(printable(msg), markup=False, highlight=False)
 
     def warn(self, msg: str) -> None:
         self._started().console.print(msg, style="yellow", markup=False, highlight=False)
@@ -54,7 +55,7 @@ class RichView:
                       "acc": f"{i.get('mean_accepted') or 0.0:.2f} acc/step",
                       "eta": f"ETA {_eta(max(0, most - tokens) / r if r > 0 else None)}"}
             if pid not in self.bars:
-                self.bars[pid] = p.add_task(f"  {pid[:20]}", total=most or None, **fields)
+                self.bars[pid] = p.add_task(f"  {printable(pid[:20])}", total=most or None, **fields)
             p.update(self.bars[pid], completed=tokens, **fields)
         p.refresh()  # now: lines logged next are drawn above this state, not the last auto-refresh's
 

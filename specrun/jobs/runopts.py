@@ -56,10 +56,11 @@ class RunSummary:
     stopped: list[str] = field(default_factory=list)
     interrupted: bool = False
     stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
+    disk_full: str | None = None  # the first write refused for lack of space: the run stopped there
 
     @property
     def exit_code(self) -> int:
-        if self.failed:
+        if self.failed or self.disk_full:
             return EXIT_FAILED
         if self.interrupted:
             return 128 + (self.stop_signal or signal.SIGINT)

@@ -1,8 +1,8 @@
 """`specrun status`: per-prompt state (pending, running, done, failed, repair), tokens, tok/s, acceptance, ETA, totals.
 
 Read-only and safe from any terminal during or after a run. Cost: one listing of done/, failed/, live/ and progress/,
-the small columns of the output files (never token_ids or text), and a file read only for prompts that have a
-failed or live file or progress chunks: O(prompts + files), not O(prompts x anything).
+the output files read one row group at a time (a row is done only when it matches its checksum, so token ids and
+text are read), and a file read only for prompts that have a failed or live file or progress chunks.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def job_status(job: JobDir) -> dict:
     prompts, _ = job.prompt_infos()
     # listed before the outputs are read: a marker seen here had its row durable before, so the scan finds it
     markers, failed, live, progress = (_names(d) for d in (rec.done, rec.failed, rec.live, rec.progress))
-    outputs = rec.scan([p.id for p in prompts], OUT_COLUMNS).rows
+    scan = rec.scan([p.id for p in prompts], OUT_COLUMNS, verify=True)
+    outputs = scan.rows
     rows = []
     now = time.time()
     for p in prompts:
@@ -53,6 +54,9 @@ def job_status(job: JobDir) -> dict:
         if (o := outputs.get(p.id)) is not None:
             row.update(state="done", tokens=o["n_tokens"], tokens_per_s=o["tokens_per_s"],
                        mean_accepted=o["mean_accepted"], finish_reason=o["finish_reason"], eta_s=0.0)
+        elif p.id in scan.damaged:
+            row.update(state="repair", tokens=saved(), error="its output row does not match its checksum (damaged); "
+                                                             "`specrun resume` generates it again")
         elif f"{key}.json" in markers:  # a done marker without a readable output row: resume regenerates it
             row.update(state="repair", tokens=saved(),
                        error=f"{rec.output_problem(p.id)}; `specrun resume` generates it again")
@@ -103,24 +107,29 @@ def status_renderable(st: dict):
     from rich.table import Table
     from rich.text import Text
 
-    t = Table(title=f"{st['job']}  ({'driver running' if st['driver']['running'] else 'no driver running'})")
+    from specrun.jobs.printable import printable
+
+    def cell(x) -> Text:  # ids, paths and errors are data: "[...]" in them prints as it is, control characters escaped
+        return Text(printable(x))
+
+    t = Table(title=cell(f"{st['job']}  ({'driver running' if st['driver']['running'] else 'no driver running'})"))
     for col in ("id", "state", "tokens", "tok/s", "acc/step", "ETA", "note"):
         t.add_column(col, justify="right" if col in ("tokens", "tok/s", "acc/step", "ETA") else "left")
     for r in st["prompts"]:
         note = r["finish_reason"] or (r["error"] or "")[:60]
-        t.add_row(r["id"], r["state"], f"{r['tokens']:,}/{r['max_tokens']:,}", _num(r["tokens_per_s"], 1),
-                  _num(r["mean_accepted"], 2), _eta(r["eta_s"]), note)
+        t.add_row(cell(r["id"]), r["state"], f"{r['tokens']:,}/{r['max_tokens']:,}", _num(r["tokens_per_s"], 1),
+                  _num(r["mean_accepted"], 2), _eta(r["eta_s"]), cell(note))
     tot = st["totals"]
     lines = [t, Text(f"{tot['done']}/{tot['total']} done, {tot['running']} running, {tot['pending']} pending, "
                      f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
                      + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; ETA {_eta(tot['eta_s'])}")]
     if st.get("workers"):
-        lines.append(Text("workers: " + "; ".join(f"{w} {v['running']} running, {v['tokens_per_s']:.1f} tok/s"
+        lines.append(cell("workers: " + "; ".join(f"{w} {v['running']} running, {v['tokens_per_s']:.1f} tok/s"
                                                   for w, v in sorted(st["workers"].items()))))
     if st["attempts"]:
-        lines.append(Text(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}"))
+        lines.append(cell(f"{len(st['attempts'])} run(s); last: {describe(st['attempts'][-1])}"))
     if st.get("detached"):
-        lines.append(Text(describe_detached(st["detached"])))
+        lines.append(cell(describe_detached(st["detached"])))
     return Group(*lines)
 
 

@@ -57,14 +57,27 @@ def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, 
     records, input_sha = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params)
     manifest = build_manifest(prompts_path, input_sha, len(records), info, settings, params, engine)
     job = JobDir(job_dir)
-    if job.exists():
-        diffs = manifest_differences(job.manifest(), manifest)
-        if diffs:
-            raise JobError(f"job {job.root} exists with different settings, refusing to mix them:\n  "
-                           + "\n  ".join(diffs) + "\nuse another --job-dir, or `specrun resume " + str(job.root)
-                           + "` to continue it as it was")
-        return job, False
-    if job.fs.list(job.root):
+    if not job.exists():
+        _check_ours(job)
+        job.acquire_lock()  # before any file: a second submit names this one, and a half-created job is ours to redo
+        try:
+            if not job.exists():
+                job.remove_leftovers(_check_ours(job))
+                job.create(manifest, records)
+                return job, True
+        finally:
+            job.release_lock()
+    diffs = manifest_differences(job.manifest(), manifest)
+    if diffs:
+        raise JobError(f"job {job.root} exists with different settings, refusing to mix them:\n  "
+                       + "\n  ".join(diffs) + "\nuse another --job-dir, or `specrun resume " + str(job.root)
+                       + "` to continue it as it was")
+    return job, False
+
+
+def _check_ours(job: JobDir) -> list[str]:
+    """The leftovers of an interrupted creation in the job directory; JobError when it holds anything else."""
+    leftovers = job.creation_leftovers()
+    if leftovers is None:
         raise JobError(f"{job.root} exists, is not empty and is not a specrun job; choose another --job-dir")
-    job.create(manifest, records)
-    return job, True
+    return leftovers

@@ -177,11 +177,17 @@ def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
 
     check_supported(AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-    with quiet_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-            attn_implementation="sdpa",
-        )
+    try:
+        with quiet_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+                attn_implementation="sdpa",
+            )
+    except (OSError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the weights are the model directory's: e.g. a pickled checkpoint that
+        # torch's weights-only loader refuses (it could run code) is this directory's fault, named as such
+        raise ValueError(f"{model_dir}: its weights cannot be loaded ({type(e).__name__}: {str(e)[:300]})") from None
     model.to(dev)
     model.eval()
     model.requires_grad_(False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -79,8 +80,12 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
 
 
+_TMP_NAME = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
+
+
 def is_tmp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(".tmp")
+    """A temporary name tmp_path() gives (`.<name>.<8 hex>.tmp`): the only names specrun removes as leftovers."""
+    return _TMP_NAME.match(name) is not None
 
 
 def fsync_dir(d: Path) -> None:

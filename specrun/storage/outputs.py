@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from specrun.storage.fs import fs_of, job_path, move_aside
 from specrun.storage.names import id_key
-from specrun.storage.rowfiles import Source, gone, merge_batches, merge_rows, open_parquet, row_writer
+from specrun.storage.rowfiles import Source, bad_rows, gone, merge_batches, merge_rows, open_parquet, row_writer
 from specrun.storage.schemas import OUTPUT
 
 
@@ -70,12 +70,44 @@ class Scan:
     rows: dict[str, dict]  # id -> the requested columns of its row, for every readable row
     in_parts: set[str]  # ids whose row is (only) in a part file
     problems: list[str]
+    damaged: set[str] = field(default_factory=set)  # ids whose only rows do not match their checksum (verify)
+
+
+CHECKED = ("id", "token_ids", "text", "finish_reason", "checksum")  # what a row's checksum covers
+
+
+def _checked(table: pa.Table, read: list[str], cols: list[str], verify: bool, damaged: set) -> list[dict]:
+    """The rows of `table` (read for `read`) as dicts of `cols`; with `verify`, those that match their checksum
+    (the ids of the others go to `damaged`)."""
+    if not verify:
+        return table.to_pylist()
+    bad = bad_rows(table, read)
+    ids = table.column("id").to_pylist()
+    damaged.update(ids[i] for i in bad if ids[i] is not None)
+    keep = [i for i in range(table.num_rows) if i not in bad]
+    return table.select(cols).take(keep).to_pylist() if bad else table.select(cols).to_pylist()
+
+
+FOREIGN = "holds rows of prompts that are not this job's"
+
+
+def foreign(path) -> str:
+    return (f"{path.name} {FOREIGN} (copied in from another job?): left alone, never read, merged or exported; "
+            f"move it out of {path.parent}")
+
+
+def is_foreign(problem: str) -> bool:
+    """Whether a snapshot problem is a foreign file (nothing of the job's was lost), not an unreadable one."""
+    return FOREIGN in problem
 
 
 class OutputStore:
-    def __init__(self, directory):
+    def __init__(self, directory, job_keys=None):
         self.dir = job_path(directory)
         self.fs = fs_of(self.dir)
+        # () -> the file keys of the job's prompts: a file holding any other row is foreign (copied in from elsewhere)
+        # and is never read, merged, moved or deleted; None (a bare store): every file is the job's
+        self.job_keys = job_keys
 
     def part_path(self, prompt_id: str):
         return self.dir / f"{id_key(prompt_id)}.parquet"
@@ -99,6 +131,7 @@ class OutputStore:
     def snapshot(self, keymap: dict[str, str], set_aside: bool = False) -> Snapshot:
         """The files of outputs/ as of one consistent moment (see the module doc). keymap: file key -> prompt id (a
         part whose key is not in it is opened to read its id). set_aside: move unreadable merged files to .corrupt."""
+        keys = self.job_keys() if self.job_keys is not None else None
         for _ in range(SNAPSHOT_TRIES):
             parts, merged = self._list()
             snap, complete = Snapshot([]), True
@@ -117,6 +150,10 @@ class OutputStore:
                     if set_aside:
                         move_aside(path)
                     continue
+                if keys is not None and any(id_key(i) not in keys for i in ids):
+                    pf.close()
+                    snap.problems.append(foreign(path))
+                    continue
                 snap.sources.append(Source(path, ids, pf, level))
             if complete:
                 complete = not {p for _, p in self._list()[1]} - {p for _, p in merged}
@@ -124,6 +161,9 @@ class OutputStore:
                 snap.close()
                 continue
             for key, path in parts.items():
+                if keys is not None and key not in keys:
+                    snap.problems.append(foreign(path))
+                    continue
                 pid = keymap.get(key)
                 if pid is None:
                     try:
@@ -160,23 +200,29 @@ class OutputStore:
             return
         raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
 
-    def scan(self, keymap: dict[str, str], columns=("id", "n_tokens")) -> Scan:
+    def scan(self, keymap: dict[str, str], columns=("id", "n_tokens"), verify: bool = False) -> Scan:
         """Small columns of every readable row (not token_ids or text unless asked): cheap for status and the
-        driver. A file is readable here when its footer and these columns are."""
+        driver. A file is readable here when its footer and these columns are. With `verify`, each row is also
+        checked against its checksum (reading its token ids and text, one row group at a time): a row that does
+        not match is not found, and its id is in Scan.damaged."""
         cols = list(dict.fromkeys(["id", *columns]))
+        read = list(dict.fromkeys([*cols, *CHECKED])) if verify else cols
         for _ in range(SNAPSHOT_TRIES):
             snap = self.snapshot(keymap)
-            found, in_parts = {}, set()
+            found, in_parts, damaged = {}, set(), set()
             try:
                 for src in sorted(snap.sources, key=lambda s: -s.level):  # merged first
                     try:
                         if src.pf is not None:
-                            rows = src.pf.read(columns=cols).to_pylist()
+                            tables = (src.pf.read_row_group(g, columns=read)
+                                      for g in range(src.pf.metadata.num_row_groups))
+                            rows = [r for t in tables for r in _checked(t, read, cols, verify, damaged)]
                         else:
                             with open_parquet(src.path) as pf:
-                                rows = pf.read(columns=cols).to_pylist()
-                            if len(rows) != 1 or rows[0]["id"] != src.ids[0]:
+                                t = pf.read(columns=read)
+                            if t.num_rows != 1 or t.column("id")[0].as_py() != src.ids[0]:
                                 raise ValueError("it does not hold the row its name says")
+                            rows = _checked(t, read, cols, verify, damaged)
                     except FileNotFoundError:
                         raise
                     except Exception as e:
@@ -193,7 +239,7 @@ class OutputStore:
                 continue
             finally:
                 snap.close()
-            return Scan(found, in_parts, snap.problems)
+            return Scan(found, in_parts, snap.problems, damaged - set(found))
         raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
 
     # -- the driver only, under the job lock (merging.py) ---------------------------------------------------------

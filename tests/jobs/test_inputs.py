@@ -188,7 +188,8 @@ def test_an_over_long_line_is_reported_without_loading_it(info, tmp_path, monkey
     path = _write(tmp_path, ['{"prompt": "ok"}', long_line, '{"prompt": ""}', '{"prompt": "b"}'])
     with pytest.raises(InputError) as e:
         _read(info, path)
-    assert e.value.problems == ["line 2: longer than 64 bytes", "line 3: prompt is empty"]
+    assert e.value.problems[0].startswith("line 2: longer than 64 bytes")
+    assert e.value.problems[1:] == ["line 3: prompt is empty"]
 
 
 def test_unreadable_path_is_an_input_error(info, tmp_path):
