@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from specrun.decoding.engine import EngineConfig
+from specrun.errors import SpecrunError
 from specrun.decoding.sampling import SamplingParams
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, read_json
@@ -45,7 +46,7 @@ class PromptInfo:
     row: int  # position in prompts.parquet (input order)
 
 
-class JobError(Exception):
+class JobError(SpecrunError):
     """A job-level problem the user must act on (message says what and how)."""
 
 
