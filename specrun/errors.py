@@ -15,3 +15,7 @@ class ModelError(SpecrunError, ValueError):
 
 class PromptError(SpecrunError, ValueError):
     """A prompt that cannot be generated from (empty, bad token ids, no chat template for messages, too long)."""
+
+
+class ConfigError(SpecrunError, ValueError):
+    """A setting that cannot work (an unknown drafter, a sampling value out of range, a bad column choice)."""

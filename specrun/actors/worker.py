@@ -112,8 +112,8 @@ class GenerationWorker:
             import torch
 
             from specrun.actors.memory import batch_engine
-            from specrun.decoding.engine import Engine
             from specrun.decoding.decoder import FusedDecoder
+            from specrun.decoding.engine import Engine
             from specrun.models.loader import load_model
 
             self._check_job_dir()

@@ -8,9 +8,21 @@ from __future__ import annotations
 import click
 
 from specrun import __version__
+from specrun.errors import SpecrunError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Group(click.Group):
+    """Every SpecrunError a command lets through is printed as its message with exit status 1 (click's error line):
+    the library raises, only the CLI exits."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpecrunError as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="specrun")
 def main() -> None:
     """Lossless speculative decoding for ultra-long generations, run as resumable jobs.

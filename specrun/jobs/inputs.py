@@ -113,7 +113,10 @@ def _check_text(s: str, where: str) -> None:
         raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
 
 
-class _Validator:
+class Validator:
+    """record(line object, line number) -> PromptRecord, or ValueError naming the fault (the API checks its dict
+    prompts with it too: their outputs are a job's)."""
+
     def __init__(self, tokenizer, max_context: int, vocab_size: int, base: SamplingParams):
         self.tok, self.max_context, self.vocab_size, self.base = tokenizer, max_context, vocab_size, base
 
@@ -208,7 +211,7 @@ def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int,
     """
     from specrun.jobs.parquet_in import is_parquet, parquet_rows
 
-    v = _Validator(tokenizer, max_context, vocab_size, base)
+    v = Validator(tokenizer, max_context, vocab_size, base)
     v.check_vocab("--stop-token-id", base.stop_token_ids)  # the job's own (a line's replaces it): once, not per line
     parquet = columns is not None or is_parquet(path)
     unit = "row" if parquet else "line"

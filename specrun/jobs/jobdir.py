@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from specrun.decoding.engine import EngineConfig
-from specrun.errors import SpecrunError
 from specrun.decoding.sampling import SamplingParams
+from specrun.errors import SpecrunError
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, read_json
 from specrun.storage.fs import fs_of, job_path, location as location_of
