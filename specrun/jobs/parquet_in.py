@@ -24,23 +24,24 @@ class Columns:
     id: str | None = None
 
     def mapping(self, names) -> dict[str, str]:
-        """{line field: column} for a table with these column names; ValueError naming what is missing."""
+        """{line field: column} for a table with these column names; ConfigError naming what is missing."""
+        from specrun.errors import ConfigError
         from specrun.models.prompts import KINDS
 
         names = list(names)
         if self.prompt is not None and self.messages is not None:
-            raise ValueError("give one of the prompt column and the messages column, not both")
+            raise ConfigError("give one of the prompt column and the messages column, not both")
         given = {"prompt": self.prompt, "messages": self.messages}
         source = [(k, c) for k, c in given.items() if c is not None] or [(k, k) for k in KINDS if k in names]
         if len(source) != 1:
-            raise ValueError(f"no prompt column chosen and {'several' if source else 'none'} of "
+            raise ConfigError(f"no prompt column chosen and {'several' if source else 'none'} of "
                              f"{', '.join(KINDS)} found (columns: {', '.join(names)}); choose one (--prompt-column)")
         out = dict(source)
         if self.id is not None or "id" in names:
             out["id"] = self.id or "id"
         missing = [c for c in out.values() if c not in names]
         if missing:
-            raise ValueError(f"no column {missing[0]!r} (columns: {', '.join(names)})")
+            raise ConfigError(f"no column {missing[0]!r} (columns: {', '.join(names)})")
         return out
 
 
