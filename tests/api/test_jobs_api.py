@@ -18,7 +18,7 @@ from specrun.cli import main
 ray = pytest.importorskip("ray")
 LINES = [{"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "abcabcabc"},
          {"id": "c", "prompt": "The end.", "seed": 7, "max_tokens": 24}]  # c: overrides, a prompts-file line only
-PARAMS = dict(max_tokens=32, temperature=1.0, seed=42, ignore_eos=True)
+PARAMS = {"max_tokens": 32, "temperature": 1.0, "seed": 42, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
