@@ -19,7 +19,26 @@ _LAZY = {  # name -> module that defines it (torch, transformers and Ray load on
     "submit": "specrun.job", "resume": "specrun.job", "Job": "specrun.job", "RunOptions": "specrun.jobs.runopts",
     "JobError": "specrun.jobs.jobdir", "InputError": "specrun.jobs.inputs", "Columns": "specrun.jobs.parquet_in",
 }
-__all__ = ["SpecrunError", "ModelError", "PromptError", "ConfigError", "ray_data", *_LAZY]
+__all__ = [
+    "LLM",
+    "Columns",
+    "ConfigError",
+    "Delta",
+    "EngineConfig",
+    "InputError",
+    "Job",
+    "JobError",
+    "ModelError",
+    "Output",
+    "PromptError",
+    "RunOptions",
+    "SamplingParams",
+    "SpecrunError",
+    "Stream",
+    "ray_data",
+    "resume",
+    "submit",
+]
 
 
 def __getattr__(name: str):

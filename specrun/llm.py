@@ -100,14 +100,17 @@ class LLM:
 
     model: a local HF directory, 'smollm2' or 'demo'; dtype: auto, float32, float64, bfloat16, float16; device: cpu or
     cuda; drafting: an EngineConfig, 'auto', 'none' or a comma list of drafters (the tokens are the same whatever it
-    is). Raises ModelError when the model cannot be loaded.
+    is); chat: a text prompt is sent as one user message through the chat template (auto: where the model has one;
+    False: as raw text, as `specrun generate` without --chat). Raises ModelError when the model cannot be loaded.
     """
 
     def __init__(self, model: str = "demo", *, dtype: str = "auto", device: str = "cpu",
                  drafting: EngineConfig | str | None = None, trust_remote_code: bool = False,
-                 max_concurrency: int = MAX_CONCURRENCY):
+                 max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto"):
         self.config = drafting_config(drafting)
         self.lm = load_lm(model, dtype, device, trust_remote_code)
+        # an instruct model answers a request sent as a user message; raw text it may just end (smollm2: EOS at once)
+        self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat == "auto" else bool(chat)
         self.max_concurrency = max_concurrency
         self._engine = None  # the solo engine, built once: its recycling matrix learns across prompts
         if self.lm.is_demo:
@@ -174,6 +177,8 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p = p if p is not None else SamplingParams()
             try:  # a bare prompt is the line {kind: prompt, seed: its params' seed}: the same checks, and p as is
+                if self.chat and isinstance(prompt, str):
+                    prompt = [{"role": "user", "content": prompt}]
                 line = prompt if isinstance(prompt, dict) else {kind_of(prompt): prompt, "seed": p.seed}
                 rec = (v.get(p) or v.setdefault(p, self._validator(p))).record(line, i + 1)
             except ValueError as e:

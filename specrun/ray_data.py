@@ -22,7 +22,7 @@ class _Generate:
     def __init__(self, model: str, dtype: str, device: str, drafting, sampling: SamplingParams, columns: Columns):
         from specrun.llm import LLM
 
-        self.llm = LLM(model, dtype=dtype, device=device, drafting=drafting)
+        self.llm = LLM(model, dtype=dtype, device=device, drafting=drafting, chat=False)  # rows read as a job reads them
         self.sampling, self.columns = sampling, columns
 
     def __call__(self, batch):

@@ -36,7 +36,7 @@ def open_llm(model: str, dtype: str, device: str, trust_remote_code: bool, confi
     """specrun.LLM with its demo warning said as the CLI says it (one line on stderr)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llm = LLM(model, dtype=dtype, device=device, drafting=config, trust_remote_code=trust_remote_code)
+        llm = LLM(model, dtype=dtype, device=device, drafting=config, trust_remote_code=trust_remote_code, chat=False)
     if llm.lm.is_demo:
         click.echo(DEMO_NOTICE, err=True)
     return llm

@@ -22,7 +22,7 @@ FLAGS = ["--max-tokens", "40", "--temperature", "0.8", "--min-p", "0.05", "--see
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return specrun.LLM(tiny_models["llama_gqa"], drafting="ngram,recycling")
+    return specrun.LLM(tiny_models["llama_gqa"], drafting="ngram,recycling", chat=False)  # as generate without --chat
 
 
 @pytest.fixture(scope="module")
