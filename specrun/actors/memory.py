@@ -14,6 +14,7 @@ AUTO_MAX = {"cpu": 16, "cuda": 16}  # --concurrency auto never goes past: per-st
 CUDA_RESERVE = 0.10  # of the GPU's total memory, kept for activations, logits and the allocator's slack
 CPU_SHARE = 0.5  # of the memory available now, split between the CPU workers (the rest: the OS, the driver, Ray)
 GiB = 2**30
+CUDA_PAGE_SIZE = 16  # KV page of the batched engine on GPUs (flashinfer's paged kernels)
 
 
 def kv_budget_bytes(device: str, workers: int, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -65,3 +66,33 @@ def check_concurrency(n: int, need_tokens: int, bytes_per_token: int, budget: in
         raise ValueError(f"--concurrency {n} needs {want / GiB:.2f} GiB of KV ({n} x {need_tokens} tokens, the job's "
                          f"longest prompt + max_tokens) but this worker can give {budget / GiB:.2f} GiB: lower "
                          f"--concurrency or max_tokens, or leave --concurrency auto")
+
+
+def kv_need(longest: int, trie_budget: int) -> int:
+    """KV slots one sequence reserves: the longest prompt + max_tokens, and a verify trie beyond it."""
+    return longest + trie_budget + 1
+
+
+def page_size_for(device: str, need: int) -> int:
+    """CPU: one page per sequence, so attention reads its keys in place as a solo run does; CUDA: flashinfer's pages."""
+    return need if device == "cpu" else CUDA_PAGE_SIZE
+
+
+def batch_engine(lm, config, cap: int, need: int, page_size: int, device: str, workers: int = 1, auto: bool = True):
+    """(BatchEngine, N) for up to `cap` sequences of `need` KV slots each, N checked against (or, auto, fitted to) the
+    KV memory this worker can give; (None, 1) when one sequence at a time is all it gets."""
+    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.decoding.paged_runner import kv_bytes_per_token
+
+    if cap == 1:
+        return None, 1
+    per_token = kv_bytes_per_token(lm.model.config, lm.dtype)
+    budget = kv_budget_bytes(device, workers)
+    if auto:
+        n = fit_concurrency(cap, need, per_token, budget)
+    else:
+        check_concurrency(cap, need, per_token, budget)
+        n = cap
+    if n == 1:
+        return None, 1
+    return BatchEngine(lm, config, BatchConfig(concurrency=n, kv_tokens=n * need, page_size=page_size)), n

@@ -112,8 +112,9 @@ class GenerationWorker:
         if self.engine is None:
             import torch
 
-            from specrun.decoding.engine import Engine
+            from specrun.actors.memory import batch_engine
             from specrun.decoding.decoder import FusedDecoder
+            from specrun.decoding.engine import Engine
             from specrun.models.loader import load_model
 
             self._check_job_dir()
@@ -126,35 +127,18 @@ class GenerationWorker:
                                  f"{spec.fingerprint}: the model files changed")
             self.lm = lm
             FusedDecoder.of(lm.model)  # fused and prepacked weights first: the KV budget measures memory after them
-            self.concurrency = self._concurrency()
-            if self.concurrency > 1:
+            spec_engine = engine_config(spec.engine)
+            self.engine, self.concurrency = batch_engine(lm, spec_engine, spec.concurrency, spec.kv_need,
+                                                         spec.page_size, spec.device, spec.workers,
+                                                         spec.auto_concurrency)
+            if self.engine is not None:
                 from specrun.actors.batch_loop import BatchLoop
-                from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 
-                self.engine = BatchEngine(lm, engine_config(spec.engine),
-                                          BatchConfig(concurrency=self.concurrency,
-                                                      kv_tokens=self.concurrency * spec.kv_need,
-                                                      page_size=spec.page_size))
                 self.batch = BatchLoop(self.engine)
             else:
-                self.engine = Engine(lm, engine_config(spec.engine))
+                self.engine = Engine(lm, spec_engine)
             self.hot_source = self._warm_start()
         return self.info()
-
-    def _concurrency(self) -> int:
-        """Sequences at once: --concurrency N, checked against the KV memory budget, or with auto what it holds."""
-        from specrun.actors.memory import check_concurrency, fit_concurrency, kv_budget_bytes
-        from specrun.decoding.paged_runner import kv_bytes_per_token
-
-        spec = self.spec
-        if spec.concurrency == 1:
-            return 1
-        per_token = kv_bytes_per_token(self.lm.model.config, self.lm.dtype)
-        budget = kv_budget_bytes(spec.device, spec.workers)
-        if spec.auto_concurrency:
-            return fit_concurrency(spec.concurrency, spec.kv_need, per_token, budget)
-        check_concurrency(spec.concurrency, spec.kv_need, per_token, budget)
-        return spec.concurrency
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source,

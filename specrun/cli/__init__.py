@@ -8,12 +8,13 @@ from __future__ import annotations
 import click
 
 from specrun import __version__
+from specrun.errors import SpecrunError
 
 
 class _Main(click.Group):
-    """The rule of every command: no traceback for a user's input, file or environment. An OSError (a read-only or
-    full disk, a permission) is one line naming the file; any other unexpected error is one line saying where its
-    full traceback was written."""
+    """The rule of every command: no traceback for a user's input, file or environment. A SpecrunError is its message
+    (the library raises, only the CLI exits); an OSError (a read-only or full disk, a permission) is one line naming
+    the file; any other unexpected error is one line saying where its full traceback was written."""
 
     def invoke(self, ctx):
         from specrun.jobs.interrupts import stop_on_signals
@@ -26,6 +27,8 @@ class _Main(click.Group):
             ctx.exit(128 + stopped.signum)
         except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
             raise
+        except SpecrunError as e:  # the library raises, only the CLI exits
+            raise click.ClickException(str(e)) from e
         except OSError as e:
             raise click.ClickException(describe_os_error(e)) from e
         except Exception as e:  # the one place that turns a bug into a report

@@ -13,8 +13,14 @@ from pathlib import Path
 import click
 
 from specrun.cli.generate import chat_option
+from specrun.cli.options import (
+    engine_config_from,
+    engine_options,
+    model_options,
+    sampling_options,
+    sampling_params_from,
+)
 from specrun.decoding.paged_attention import PAGED_BACKENDS
-from specrun.cli.options import engine_config_from, engine_options, model_options, sampling_options, sampling_params_from
 
 
 def int_list(value: str | None, hint: str) -> tuple[int, ...]:
@@ -73,8 +79,15 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
       specrun bench --model smollm2 --chat --prompt "Write a long story." --max-tokens 1024 --concurrency 1,4,8
     """
     from specrun.bench.report import add_roofline, annotate_divergences, render, summarize
-    from specrun.bench.runner import (DEFAULT_RUNS, BenchSettings, bench_params, drop_unrunnable, hf_notes, plan,
-                                      run_bench)
+    from specrun.bench.runner import (
+        DEFAULT_RUNS,
+        BenchSettings,
+        bench_params,
+        drop_unrunnable,
+        hf_notes,
+        plan,
+        run_bench,
+    )
     from specrun.cli.generate import encode_prompt, load_for_cli
 
     if (prompt is None) == (prompt_file is None):

@@ -14,8 +14,15 @@ import click
 
 from specrun.cli.detach import check_detach, run_detached
 from specrun.cli.location import JobLocation
-from specrun.cli.options import (ENGINE_FLAGS, Concurrency, engine_config_from, engine_options, model_options,
-                                 sampling_options, sampling_params_from)
+from specrun.cli.options import (
+    ENGINE_FLAGS,
+    Concurrency,
+    engine_config_from,
+    engine_options,
+    model_options,
+    sampling_options,
+    sampling_params_from,
+)
 from specrun.storage.fs import location
 
 
@@ -61,38 +68,27 @@ def _apply(options):
     return deco
 
 
-def _remote_code(manifest: dict, given: bool, job_root) -> bool:
-    """The job's trust_remote_code, only when --trust-remote-code is given again: a job.json is data, not consent."""
-    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-    wanted = model.get("trust_remote_code", False) is not False
-    if wanted and not given:
-        raise click.ClickException(
-            f"job {job_root} runs its model with --trust-remote-code (Python code shipped in {model.get('path')!r}); "
-            f"give --trust-remote-code again to allow it")
-    return wanted
-
-
 def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None, **attempt) -> int:
     """attempt: this run's device, engine, checkpoint_every, checkpoint_seconds (RunOptions; None = the job's)."""
-    from specrun.jobs.driver import RunOptions, run_job
-    from specrun.jobs.jobdir import JobError
-    from specrun.jobs.progress import make_view
+    from specrun.jobs.driver import RunOptions
 
     opts = RunOptions(actors=actors, address=address, gpus_per_actor=gpus_per_actor,
                       hot_start=tuple(map(location, hot_start)), quiet=quiet, model_path=model_path, **attempt)
     try:
-        summary = run_job(job, opts, make_view(quiet))
-    except JobError as e:
-        raise click.ClickException(str(e)) from e
+        return job.run(opts).exit_code
     except KeyboardInterrupt:
         click.echo(f"stopped; checkpointed tokens are kept. Resume with: specrun resume {job.root}", err=True)
         raise
-    return summary.exit_code
 
 
 @click.command()
 @click.argument("prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--max-tokens", type=click.IntRange(min=1), required=True, help="Most new tokens per prompt.")
+@click.option("--prompt-column", default=None, help="Parquet input: the column of prompt texts (default: 'prompt').")
+@click.option("--messages-column", default=None,
+              help="Parquet input: the column of chat messages (lists of {role, content}) instead.")
+@click.option("--id-column", default=None, help="Parquet input: the column of prompt ids (default: 'id' if present, "
+              "else the row number).")
 @click.option("--job-dir", type=JobLocation(), default=None,
               help="Job directory (default: ./specrun-jobs/<prompts file name>), or an object-store URI such as "
                    "s3://bucket/prefix.")
@@ -103,12 +99,13 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
 @_apply(run_options)
 def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, model, dtype, device,
            trust_remote_code, actors, gpus_per_actor, address, hot_start, quiet, **kw):
-    """Run every prompt of PROMPTS (JSON lines) as a resumable job on Ray workers.
+    """Run every prompt of PROMPTS (JSON lines, or Parquet: a .parquet file) as a resumable job on Ray workers.
 
     Each line has one of "prompt", "messages" or "input_ids", an optional "id" and optional overrides
     (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window, stop, stop_token_ids); OpenAI batch lines
     (custom_id, method POST, url, body) work too, and a body field we do not implement is refused by name.
-    PROMPTS is read once, so a pipe works (<(zcat p.jsonl.gz)). The whole file is checked first; nothing
+    PROMPTS is read once, so a pipe works (<(zcat p.jsonl.gz)). A Parquet file (an HF dataset's) is read by row
+    groups, each row a line of its --prompt-column (or --messages-column) and --id-column. The whole file is checked first; nothing
     starts if any line is bad. Submitting again with the same input, model, dtype, sampling flags and attention
     backend resumes the job; device, drafting, checkpoint and Ray flags may change (each run is recorded).
 
@@ -116,40 +113,27 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     Examples:
       specrun submit prompts.jsonl --max-tokens 100000 --model /models/Llama-3.1-8B --device cuda
       specrun submit prompts.jsonl --max-tokens 2000 --actors 2 --temperature 0.8 --seed 1
+      specrun submit train.parquet --prompt-column text --max-tokens 2000
       specrun status specrun-jobs/prompts
     """
-    from specrun.jobs.inputs import InputError
-    from specrun.jobs.jobdir import JobError
-    from specrun.jobs.modelinfo import model_info
-    from specrun.jobs.submit import JobSettings, default_job_dir, prepare_job
+    from specrun.cli.generate import DEMO_NOTICE
+    from specrun.job import prepare
+    from specrun.jobs.parquet_in import Columns
 
     check_detach(kw["detach"], address)
     params = sampling_params_from(kw, max_tokens)
     engine = engine_config_from(kw)
-    from specrun.models.loader import resolve_dtype
-
-    try:
-        info = model_info(model, trust_remote_code)
-        dtype = resolve_dtype(dtype, model, device)  # stored resolved: a resume computes in the same dtype anywhere
-    except (ValueError, OSError) as e:
-        raise click.ClickException(f"cannot load model {model!r}: {e}") from e
-    settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
-    if info.is_demo:
-        from specrun.cli.generate import DEMO_NOTICE
-
-        click.echo(DEMO_NOTICE, err=True)
-    job_dir = job_dir or default_job_dir(prompts)
-    try:
-        job, created = prepare_job(prompts, job_dir, info, settings, params, engine)
-        if not created:
-            _remote_code(job.manifest(), trust_remote_code, job.root)
-    except (InputError, JobError, ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from e
+    names = (kw["prompt_column"], kw["messages_column"], kw["id_column"])
+    columns = Columns(*names) if any(n is not None for n in names) else None
+    job = prepare(prompts, job_dir, model=model, sampling=params, drafting=engine, dtype=dtype, device=device,
+                  trust_remote_code=trust_remote_code, checkpoint_every=checkpoint_every,
+                  checkpoint_seconds=checkpoint_seconds, columns=columns,
+                  notice=lambda m: click.echo(DEMO_NOTICE, err=True))
     if not quiet:
-        click.echo(f"{'created' if created else 'resuming'} job {job.root}", err=True)
+        click.echo(f"{'created' if job.created else 'resuming'} job {job.root}", err=True)
     if kw["detach"]:
-        sys.exit(run_detached(click.get_current_context(), job, address))
-    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, info.path, device=device, engine=engine,
+        sys.exit(run_detached(click.get_current_context(), job.dir, address))
+    sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, job.model_path, device=device, engine=engine,
                   checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
                   concurrency=kw["concurrency"]))
 
@@ -180,34 +164,18 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
       specrun resume specrun-jobs/prompts --device cuda --draft none --checkpoint-every 512
     """
     from specrun.actors.worker import engine_config
-    from specrun.jobs.jobdir import JobDir, JobError
+    from specrun.job import reopen
 
     check_detach(kw["detach"], address)
-    job = JobDir(job_dir)
-    try:
-        manifest = job.manifest()
-    except JobError as e:
-        raise click.ClickException(str(e)) from e
-    remote_code = _remote_code(manifest, trust_remote_code, job.root)
-    if model_path is not None:
-        from specrun.jobs.modelinfo import model_info
-
-        try:
-            info = model_info(model_path, remote_code)
-        except (ValueError, OSError) as e:
-            raise click.ClickException(f"cannot load model {model_path!r}: {e}") from e
-        if info.fingerprint != manifest["model"]["fingerprint"]:
-            raise click.ClickException(
-                f"model {model_path!r} (fingerprint {info.fingerprint}) is not the job's model "
-                f"{manifest['model']['path']!r} (fingerprint {manifest['model']['fingerprint']}); refusing to resume")
-        model_path = info.path
+    job, model_path = reopen(job_dir, model_path, trust_remote_code)
     if kw["detach"]:
-        sys.exit(run_detached(ctx, job, address, model_path))
+        sys.exit(run_detached(ctx, job.dir, address, model_path))
     given = {n for n in ctx.params if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT}
     try:
-        engine = engine_config_from(kw, engine_config(manifest["engine"]), given) if given & set(ENGINE_FLAGS) else None
+        engine = engine_config_from(kw, engine_config(job.dir.manifest()["engine"]), given) \
+            if given & set(ENGINE_FLAGS) else None
     except (TypeError, ValueError) as e:  # a job.json whose engine settings this version cannot read
-        raise click.ClickException(f"{job.manifest_path}: engine settings unreadable ({e})") from e
+        raise click.ClickException(f"{job.dir.manifest_path}: engine settings unreadable ({e})") from e
     sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path, device=device, engine=engine,
                   checkpoint_every=checkpoint_every if "checkpoint_every" in given else None,
                   checkpoint_seconds=checkpoint_seconds if "checkpoint_seconds" in given else None,

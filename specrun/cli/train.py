@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from specrun.cli.generate import load_for_cli
-from specrun.cli.options import stack_options, model_options
+from specrun.cli.options import model_options, stack_options
 
 PLAIN_LINES = 20  # progress lines printed over a run when stdout is not a terminal
 

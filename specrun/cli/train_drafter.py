@@ -6,7 +6,6 @@ Thin: loads the model, calls specrun.train.recurrent.fit_recurrent with the head
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 

@@ -1,4 +1,5 @@
-"""prompts.jsonl -> validated PromptRecords, in one streaming pass that also hashes the bytes (pipes and FIFOs work).
+"""prompts.jsonl (or Parquet: parquet_in.py) -> validated PromptRecords, in one streaming pass that also hashes the
+bytes (pipes and FIFOs work).
 
 Every bad line is reported with its number and reason (bad JSON or UTF-8, lone surrogates, absurd nesting or numbers,
 wrong fields, a chat template that raises, too long for the model); nothing is returned unless every line is good.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -20,7 +22,9 @@ from pathlib import Path
 
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.stops import check_stop_token_ids, check_stops
+from specrun.errors import SpecrunError
 from specrun.jobs.openai_in import from_openai
+from specrun.models.prompts import KINDS, check_token_ids, encode, max_text_bytes
 
 MAX_REPORTED = 20
 MAX_LINE_BYTES = 64 << 20  # a longer line is reported, never loaded (a binary file without newlines stays cheap)
@@ -28,7 +32,7 @@ MAX_INT = 2**63 - 1  # an integer given for any override must fit in int64 (a fl
 OVERRIDES = {"max_tokens": int, "seed": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
              "penalty": float, "penalty_window": int}
 STOP_OVERRIDES = ("stop", "stop_token_ids")  # a line's own list replaces the job's (--stop, --stop-token-id)
-SOURCES = ("prompt", "messages", "input_ids")
+SOURCES = KINDS
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON text spells a UTF-16 surrogate
 _BLANK = object()  # _parse's answer for a blank line (JSON null is a value, and a bad line)
 _short = reprlib.Repr()
@@ -46,7 +50,7 @@ class PromptRecord:
     source: str | None = None  # the field the line gave it in (SOURCES; an OpenAI line: its url's); None: not recorded
 
 
-class InputError(ValueError):
+class InputError(SpecrunError, ValueError):
     def __init__(self, path: str, problems: list[str], total: int):
         self.problems, self.total = problems, total
         more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
@@ -109,23 +113,15 @@ def _check_text(s: str, where: str) -> None:
         raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
 
 
-def max_text_bytes(tokenizer, max_context: int) -> int:
-    """Most UTF-8 bytes of text that can encode to max_context tokens or fewer: no token stands for more bytes than
-    its longest vocabulary string spells (x4: normalizers such as NFKC shrink some characters). Longer text is refused
-    before it is tokenized (a 50 MB line took minutes and GBs to find out)."""
-    try:
-        longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab())
-    except (AttributeError, TypeError, ValueError):  # no vocabulary to read: only the line limit applies
-        return MAX_LINE_BYTES
-    return max_context * max(longest, 1) * 4
+class Validator:
+    """record(line object, line number) -> PromptRecord, or ValueError naming the fault (the API checks its dict
+    prompts with it too: their outputs are a job's)."""
 
-
-class _Validator:
     def __init__(self, tokenizer, max_context: int, vocab_size: int, base: SamplingParams):
         self.tok, self.max_context, self.vocab_size, self.base = tokenizer, max_context, vocab_size, base
         self.max_text = max_text_bytes(tokenizer, max_context)
-        # JSON spells a byte as at most 6 characters (\u00xx); any valid line fits in this
-        self.max_line = min(MAX_LINE_BYTES, 6 * self.max_text + (1 << 20))
+        # JSON spells a byte as at most 6 characters (\u00xx); any line that can hold a prompt that fits is shorter
+        self.max_line = MAX_LINE_BYTES if self.max_text is None else min(MAX_LINE_BYTES, 6 * self.max_text + (1 << 20))
 
     def record(self, obj, line: int) -> PromptRecord:
         if not isinstance(obj, dict):
@@ -158,7 +154,7 @@ class _Validator:
             params = dataclasses.replace(self.base, **{**overrides, "seed": seed})
         except ValueError as e:
             raise ValueError(f"bad override: {e}") from None
-        text, ids = self._encode(given[0], obj[given[0]])
+        text, ids = encode(self.tok, self.vocab_size, given[0], obj[given[0]], self.max_text, self.max_context)
         total = len(ids) + params.max_tokens
         if total > self.max_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
@@ -177,52 +173,10 @@ class _Validator:
         return out
 
     def check_vocab(self, what: str, ids) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{what} holds {_short.repr(bad[0])}: token ids must be integers in "
-                             f"[0, {self.vocab_size})")
-
-    def _check_size(self, n_bytes: int, what: str) -> None:
-        if n_bytes > self.max_text:
-            raise ValueError(f"{what} is {n_bytes} bytes: more than any text of at most {self.max_context} tokens "
-                             f"(the model context) can be with this tokenizer ({self.max_text} bytes); not tokenized")
-
-    def _encode(self, kind: str, value) -> tuple[str | None, list[int]]:
-        if kind == "input_ids":
-            if not isinstance(value, list) or not value:
-                raise ValueError("input_ids must be a non-empty list of integers")
-            bad = [t for t in value if not _type_ok(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"input_ids holds {_short.repr(bad[0])}: token ids must be integers in "
-                                 f"[0, {self.vocab_size})")
-            return None, value
-        if kind == "messages":
-            if not isinstance(value, list) or not value:
-                raise ValueError("messages must be a non-empty list of {role, content} objects")
-            for i, m in enumerate(value):
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
-            if not getattr(self.tok, "chat_template", None):
-                raise ValueError("messages given, but the model's tokenizer has no chat template (use 'prompt')")
-            self._check_size(sum(len(m["content"].encode("utf-8")) for m in value), "messages' contents")
-            try:
-                text = self.tok.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - the template is the model's code: any failure is this line's fault
-                raise ValueError(f"the chat template refused the messages: {type(e).__name__}: {e}") from None
-            ids = self.tok.encode(text, add_special_tokens=False)
-        else:
-            if not isinstance(value, str):
-                raise ValueError(f"prompt must be a string, got {type(value).__name__}")
-            if not value:
-                raise ValueError("prompt is empty")
-            self._check_size(len(value.encode("utf-8")), "prompt")
-            text, ids = value, self.tok.encode(value, add_special_tokens=True)
-        if not ids:
-            raise ValueError("prompt encodes to no tokens")
-        return text, ids
+        check_token_ids(what, ids, self.vocab_size)
 
 
-def _lines(f, h, limit: int = MAX_LINE_BYTES):
+def _lines(f, h, limit: int):
     """(line number, bytes) of a binary stream, each line fed to the hash h as read; a line over `limit` -> None."""
     line = 0
     while data := f.readline(limit + 1):
@@ -235,15 +189,36 @@ def _lines(f, h, limit: int = MAX_LINE_BYTES):
         yield line, data
 
 
+def _jsonl(path, h, limit: int):
+    """(line number, parse) of each line of PATH, read once and hashed as read; parse() -> the JSON object, _BLANK, or
+    ValueError naming the fault."""
+    with open(path, "rb") as f:
+        for line, data in _lines(f, h, limit):
+            yield line, functools.partial(_parse_line, data, line, limit)
+
+
+def _parse_line(data: bytes | None, line: int, limit: int):
+    if data is None:
+        raise ValueError(f"longer than {limit} bytes: no line holding a prompt that fits the model context is that "
+                         f"long; not read")
+    return _parse(data, line)
+
+
 def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int, base: SamplingParams,
-                 max_reported: int = MAX_REPORTED) -> tuple[list[PromptRecord], str]:
+                 max_reported: int = MAX_REPORTED, columns=None) -> tuple[list[PromptRecord], str]:
     """Read PATH once, streaming (a pipe or FIFO works): -> (records, sha256 hex of every byte read).
 
+    A Parquet file (a .parquet or .pq name, or `columns` given: parquet_in.Columns) is read a row group at a time,
+    its rows validated as lines are and numbered from 1 ("row N"); its hash also covers the column choice.
     Raises InputError listing the bad lines (line number + reason) when any is bad, or when PATH cannot be read;
     ValueError when a stop token id of `base` is outside the vocabulary.
     """
-    v = _Validator(tokenizer, max_context, vocab_size, base)
+    from specrun.jobs.parquet_in import is_parquet, parquet_rows
+
+    v = Validator(tokenizer, max_context, vocab_size, base)
     v.check_vocab("--stop-token-id", base.stop_token_ids)  # the job's own (a line's replaces it): once, not per line
+    parquet = columns is not None or is_parquet(path)
+    unit = "row" if parquet else "line"
     problems: list[str] = []
     total_bad = 0
     records: list[PromptRecord] = []
@@ -257,24 +232,20 @@ def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int,
 
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            for line, data in _lines(f, h, v.max_line):
-                try:
-                    if data is None:
-                        raise ValueError(f"longer than {v.max_line} bytes: no line holding a prompt that fits the "
-                                         f"model context ({max_context} tokens) is that long; not read")
-                    obj = _parse(data, line)
-                    if obj is _BLANK:
-                        continue
-                    rec = v.record(obj, line)
-                    if rec.id in first_line:
-                        raise ValueError(f"duplicate id {_short.repr(rec.id)} (first used on line "
-                                         f"{first_line[rec.id]})")
-                except ValueError as e:
-                    bad(f"line {line}: {e}")
+        for line, parse in parquet_rows(path, columns, h) if parquet else _jsonl(path, h, v.max_line):
+            try:
+                obj = parse()
+                if obj is _BLANK:
                     continue
-                first_line[rec.id] = line
-                records.append(rec)
+                rec = v.record(obj, line)
+                if rec.id in first_line:
+                    raise ValueError(f"duplicate id {_short.repr(rec.id)} (first used on {unit} "
+                                     f"{first_line[rec.id]})")
+            except ValueError as e:
+                bad(f"{unit} {line}: {e}")
+                continue
+            first_line[rec.id] = line
+            records.append(rec)
     except OSError as e:
         raise InputError(str(path), [f"cannot read it: {e.strerror or e}"], 1) from None
     if not records and not total_bad:

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.sampling import SamplingParams
+from specrun.errors import SpecrunError
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, read_json
 from specrun.storage.fs import fs_of, is_tmp_name, job_path, location as location_of
@@ -46,7 +47,7 @@ class PromptInfo:
     row: int  # position in prompts.parquet (input order)
 
 
-class JobError(Exception):
+class JobError(SpecrunError):
     """A job-level problem the user must act on (message says what and how)."""
 
 

@@ -51,10 +51,12 @@ def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: Mod
 
 
 def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, settings: JobSettings,
-                params: SamplingParams, engine: EngineConfig) -> tuple[JobDir, bool]:
-    """-> (job, created). Raises InputError (bad lines) or JobError (existing job differs) before writing anything."""
+                params: SamplingParams, engine: EngineConfig, columns=None) -> tuple[JobDir, bool]:
+    """-> (job, created). Raises InputError (bad lines) or JobError (existing job differs) before writing anything.
+    columns: a Parquet input's (parquet_in.Columns)."""
     prompts_path = Path(prompts_path)
-    records, input_sha = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params)
+    records, input_sha = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params,
+                                      columns=columns)
     manifest = build_manifest(prompts_path, input_sha, len(records), info, settings, params, engine)
     job = JobDir(job_dir)
     if not job.exists():

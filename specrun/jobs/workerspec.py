@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from specrun.actors.memory import AUTO_MAX
+from specrun.actors.memory import AUTO_MAX, kv_need, page_size_for
 from specrun.actors.worker import WorkerSpec
 from specrun.jobs.jobdir import JobDir, JobError
-
-CUDA_PAGE_SIZE = 16  # KV page of the batched engine on GPUs (flashinfer's paged kernels)
 
 
 def worker_spec(job: JobDir, manifest: dict, settings: dict, prompts: Iterable, workers: int = 1,
@@ -42,7 +40,6 @@ def _batching(settings: dict, prompts: list, workers: int, to_run: int) -> dict:
     if engine.get("attention", "sdpa") != "sdpa":
         raise JobError(f"--concurrency {n}: the {engine['attention']!r} attention backend runs one prompt at a time "
                        f"(batched workers attend with sdpa); use --concurrency 1")
-    need = max(p.n_input + p.params.max_tokens for p in prompts) + engine["trie_budget"] + 1
-    # CPU: one page per sequence, so attention reads its keys in place as a solo run does; CUDA: flashinfer's pages
-    page = need if settings["device"] == "cpu" else CUDA_PAGE_SIZE
+    need = kv_need(max(p.n_input + p.params.max_tokens for p in prompts), engine["trie_budget"])
+    page = page_size_for(settings["device"], need)
     return {"concurrency": n, "auto_concurrency": auto, "kv_need": need, "page_size": page, "workers": workers}

@@ -10,6 +10,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrun.errors import SpecrunError
 from specrun.jobs.jobdir import JobDir
 from specrun.storage.atomic import atomic_write_bytes
 
@@ -17,7 +18,7 @@ NEEDS = ("plotly", "matplotlib")
 INSTALL = "pip install 'specrun[report]'"
 
 
-class ReportError(Exception):
+class ReportError(SpecrunError):
     """What the user must do to get a report (message says what and how)."""
 
 

@@ -1,0 +1,201 @@
+"""specrun.submit / resume / Job: what `specrun submit | resume | status | export` do, callable from code (the CLI is a
+thin layer over these). A run blocks in this process; failed prompts are recorded in the job, errors are raised.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from specrun.decoding.engine import EngineConfig
+from specrun.decoding.sampling import SamplingParams
+from specrun.errors import ConfigError, ModelError, SpecrunError
+from specrun.jobs.jobdir import JobDir, JobError
+from specrun.jobs.parquet_in import Columns
+from specrun.jobs.runopts import RunOptions, RunSummary
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+class Job:
+    """A job directory (a path or an object-store URI). `summary` is the RunSummary of the run this object made."""
+
+    def __init__(self, job_dir, created: bool = False):
+        self.dir = JobDir(job_dir)
+        self.created = created  # submit: True when this call created it, False when it found it (and resumed)
+        self.summary: RunSummary | None = None
+        self.model_path: str | None = None
+
+    @property
+    def root(self):
+        return self.dir.root
+
+    def __repr__(self) -> str:
+        return f"Job({self.dir.location!r})"
+
+    def run(self, options: RunOptions | None = None, view=None, **run_options) -> RunSummary:
+        """Run every prompt not done yet (failed ones again) on Ray workers, here, until the job ends or Ctrl-C / SIGTERM
+        (running prompts are checkpointed; a second Ctrl-C raises KeyboardInterrupt). run_options: RunOptions fields
+        (actors, address, concurrency, quiet...; default quiet). JobError when no worker can run."""
+        from specrun.jobs.driver import run_job
+        from specrun.jobs.progress import make_view
+
+        opts = options if options is not None else RunOptions(**{"quiet": True, **run_options})
+        self.summary = run_job(self.dir, opts, view if view is not None else make_view(opts.quiet))
+        return self.summary
+
+    def status(self) -> dict:
+        """What `specrun status --json` prints: per prompt state (pending, running, done, failed, repair), totals, runs."""
+        from specrun.jobs.status import job_status
+
+        return job_status(self.dir)
+
+    def wait(self, timeout: float | None = None, interval: float = 2.0) -> dict:
+        """Block until no prompt is left to run (each is done, or failed with no driver running: a run elsewhere, such
+        as a --detach one, or this process's own) and return the last status; JobError after `timeout` seconds."""
+        from specrun.jobs.watch import finished
+
+        end = None if timeout is None else time.monotonic() + timeout
+        while not finished(st := self.status()):
+            if end is not None and time.monotonic() >= end:
+                raise JobError(f"job {self.root}: {st['totals']['done']}/{st['totals']['total']} prompts done after "
+                               f"{timeout:g} s")
+            time.sleep(interval)
+        return st
+
+    def outputs(self, rows: bool = False):
+        """The finished prompts' output rows in input order: a pyarrow Table (id, token_ids, text, finish_reason,
+        stats as JSON...), or with rows=True an iterator of dicts (stats parsed), read one row group at a time."""
+        from specrun.jobs.export import finished_table, iter_finished
+
+        if rows:
+            return _rows(iter_finished(self.dir, batches=True))
+        return finished_table(self.dir)[0]
+
+
+def _rows(batches) -> Iterator[dict]:
+    for _, table in batches:
+        for r in table.to_pylist():
+            r["stats"] = json.loads(r["stats"])
+            yield r
+
+
+def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingParams | None = None,
+            drafting: EngineConfig | str | None = None, dtype: str = "auto", device: str = "cpu",
+            trust_remote_code: bool = False, checkpoint_every: int = 2048, checkpoint_seconds: float = 60.0,
+            columns: Columns | None = None, notice: Callable[[str], None] = _warn) -> Job:
+    """Validate every prompt and create the job (nothing is written if any is bad), or find the same job already
+    there (Job.created False). prompts: a prompts.jsonl or Parquet path (columns: which hold the prompt and id), or a
+    list of prompts (text, messages, token ids or prompts-file line dicts). InputError lists the bad lines; JobError
+    when job_dir holds a job with other settings; ModelError for the model."""
+    from specrun.jobs.modelinfo import model_info
+    from specrun.jobs.submit import JobSettings, default_job_dir, prepare_job
+    from specrun.llm import DEMO_NOTICE, drafting_config
+    from specrun.models.loader import resolve_dtype
+
+    try:
+        info = model_info(model, trust_remote_code)
+        dtype = resolve_dtype(dtype, model, device)  # stored resolved: a resume computes in the same dtype anywhere
+        settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
+    except (ValueError, OSError) as e:
+        raise ModelError(f"cannot load model {model!r}: {e}") from e
+    if info.is_demo:
+        notice(DEMO_NOTICE)
+    engine = drafting_config(drafting)
+    with _prompts_file(prompts) as path:
+        try:
+            job, created = prepare_job(path, job_dir or default_job_dir(path), info, settings,
+                                       sampling or SamplingParams(), engine, columns)
+        except (ValueError, OSError) as e:
+            if isinstance(e, SpecrunError):
+                raise
+            raise ConfigError(str(e)) from e
+    if not created:
+        check_remote_code(job.manifest(), trust_remote_code, job.root)
+    out = Job(job.root, created)
+    out.model_path = info.path  # where the model is now (the job may have been made with it elsewhere)
+    return out
+
+
+class _prompts_file:
+    """A path as it is; a list of prompts as a temporary JSON-lines file (hashed by its bytes like any input)."""
+
+    def __init__(self, prompts):
+        self.prompts, self.tmp = prompts, None
+
+    def __enter__(self) -> Path:
+        if isinstance(self.prompts, (str, Path)):
+            return Path(self.prompts)
+        from specrun.models.prompts import kind_of
+
+        lines = [p if isinstance(p, dict) else {kind_of(p): p} for p in self.prompts]
+        self.tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="specrun-prompts-", delete=False)
+        with self.tmp as f:
+            f.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        return Path(self.tmp.name)
+
+    def __exit__(self, *exc):
+        if self.tmp is not None:
+            Path(self.tmp.name).unlink(missing_ok=True)
+
+
+def check_remote_code(manifest: dict, given: bool, job_root) -> bool:
+    """The job's trust_remote_code, only when it is given again: a job.json is data, not consent (JobError)."""
+    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    wanted = model.get("trust_remote_code", False) is not False
+    if wanted and not given:
+        raise JobError(f"job {job_root} runs its model with --trust-remote-code (Python code shipped in "
+                       f"{model.get('path')!r}); give --trust-remote-code again to allow it")
+    return wanted
+
+
+def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingParams | None = None,
+           drafting: EngineConfig | str | None = None, dtype: str = "auto", device: str = "cpu",
+           trust_remote_code: bool = False, checkpoint_every: int = 2048, checkpoint_seconds: float = 60.0,
+           columns: Columns | None = None, **run_options) -> Job:
+    """prepare() the job, then run it here to the end (Job.run; run_options: actors, address, concurrency, quiet...).
+    Returns the Job: job.summary says what finished or failed, job.outputs() reads the rows. Submitting the same
+    prompts and settings again resumes the job."""
+    from specrun.llm import drafting_config
+
+    job = prepare(prompts, job_dir, model=model, sampling=sampling, drafting=drafting, dtype=dtype, device=device,
+                  trust_remote_code=trust_remote_code, checkpoint_every=checkpoint_every,
+                  checkpoint_seconds=checkpoint_seconds, columns=columns)
+    job.run(model_path=job.model_path, device=device, engine=None if drafting is None else drafting_config(drafting),
+            checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds, **run_options)
+    return job
+
+
+def reopen(job_dir, model_path: str | None = None, trust_remote_code: bool = False) -> tuple[Job, str | None]:
+    """(the existing job, the model's path to run it with): model_path, a new location of the job's model, must have
+    its fingerprint; trust_remote_code must be given again for a job that uses it."""
+    job = Job(job_dir)
+    manifest = job.dir.manifest()
+    remote_code = check_remote_code(manifest, trust_remote_code, job.root)
+    if model_path is None:
+        return job, None
+    from specrun.jobs.modelinfo import model_info
+
+    try:
+        info = model_info(model_path, remote_code)
+    except (ValueError, OSError) as e:
+        raise ModelError(f"cannot load model {model_path!r}: {e}") from e
+    m = manifest["model"]
+    if info.fingerprint != m["fingerprint"]:
+        raise JobError(f"model {model_path!r} (fingerprint {info.fingerprint}) is not the job's model {m['path']!r} "
+                       f"(fingerprint {m['fingerprint']}); refusing to resume")
+    return job, info.path
+
+
+def resume(job_dir, *, model_path: str | None = None, trust_remote_code: bool = False, **run_options) -> Job:
+    """Continue an interrupted job from its checkpoints (failed prompts are retried), here, to the end. run_options:
+    RunOptions fields; device, engine (an EngineConfig), checkpoint_every/seconds replace the job's for this run."""
+    job, path = reopen(job_dir, model_path, trust_remote_code)
+    job.run(model_path=path, **run_options)
+    return job

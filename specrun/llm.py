@@ -1,0 +1,207 @@
+"""specrun.LLM: a model loaded once in this process; generate(prompts) -> [Output] (several prompts: the batched engine),
+stream(prompt) -> Deltas as tokens are accepted. Tokens equal `specrun generate`'s (a dict prompt: a job's line's).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from specrun.decoding.engine import EngineConfig
+from specrun.decoding.sampling import SamplingParams
+from specrun.errors import ConfigError, ModelError, PromptError
+
+DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; its text is noise, not language."
+MAX_CONCURRENCY = 16  # prompts generated at once by default (actors/memory.py AUTO_MAX: per-step work grows with N)
+
+
+def load_lm(model: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
+    """LoadedModel of a local HF directory, 'smollm2' or 'demo'; ModelError naming the bad value."""
+    from specrun.models.loader import load_model, resolve_dtype
+
+    try:
+        return load_model(model, dtype=resolve_dtype(dtype, model, device), device=device,
+                          trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as e:
+        raise ModelError(f"cannot load model {model!r}: {e}") from e
+
+
+def drafting_config(drafting: EngineConfig | str | None) -> EngineConfig:
+    """EngineConfig of `drafting`: one as is, None or 'auto' (the default drafters), 'none' (plain AR) or a comma list
+    of drafter names (--draft's values)."""
+    if isinstance(drafting, EngineConfig):
+        return drafting
+    names = None if drafting in (None, "auto") else tuple(n.strip() for n in drafting.split(",") if n.strip()
+                                                          and n.strip() != "none")
+    try:
+        return EngineConfig(drafters=names)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+@dataclass(frozen=True)
+class Output:
+    """One generation: token_ids (the prompt's not included), text (as returned: without a stop string or token),
+    finish_reason (eos, stop, length), stats (what `specrun generate --json` prints); id: a dict prompt's id."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict
+    prompt_token_ids: list[int]
+    id: str | None = None
+
+    def to_json(self) -> dict:
+        """The object `specrun generate --json` prints."""
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                "stats": self.stats}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step accepted: its token ids, and the text they add that is safe to show (complete UTF-8, nothing
+    of a stop string); the last Delta may carry held-back text and no tokens."""
+
+    token_ids: list[int]
+    text: str
+
+
+class Stream:
+    """Iterator of Deltas of one generation; `output` is its Output once the iteration has ended (else None)."""
+
+    def __init__(self, llm: LLM, ids: list[int], params: SamplingParams, pid: str | None):
+        from specrun.models.text_deltas import TextDeltas
+
+        self._llm, self._ids, self._params, self._id = llm, ids, params, pid
+        self._steps = llm._solo().steps(ids, params)
+        self._text = TextDeltas(llm.tokenizer, params)
+        self.output: Output | None = None
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self
+
+    def __next__(self) -> Delta:
+        if self.output is not None:
+            raise StopIteration
+        try:
+            emitted = self._steps.send(None)  # None: go on (True would stop the generation)
+        except StopIteration as end:
+            self.output = self._llm._output(self._ids, self._params, end.value, self._id)
+            tail = self._text.finish()
+            if tail:
+                return Delta([], tail)
+            raise StopIteration from None
+        return Delta(list(emitted), self._text.push(emitted))
+
+
+class LLM:
+    """A model and its drafting settings, loaded once: LLM('smollm2').generate(['Write a haiku about tea.'])[0].text.
+
+    model: a local HF directory, 'smollm2' or 'demo'; dtype: auto, float32, float64, bfloat16, float16; device: cpu or
+    cuda; drafting: an EngineConfig, 'auto', 'none' or a comma list of drafters (the tokens are the same whatever it
+    is); chat: a text prompt is sent as one user message through the chat template (auto: where the model has one;
+    False: as raw text, as `specrun generate` without --chat). Raises ModelError when the model cannot be loaded.
+    """
+
+    def __init__(self, model: str = "demo", *, dtype: str = "auto", device: str = "cpu",
+                 drafting: EngineConfig | str | None = None, trust_remote_code: bool = False,
+                 max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto"):
+        self.config = drafting_config(drafting)
+        self.lm = load_lm(model, dtype, device, trust_remote_code)
+        # an instruct model answers a request sent as a user message; raw text it may just end (smollm2: EOS at once)
+        self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat == "auto" else bool(chat)
+        self.max_concurrency = max_concurrency
+        self._engine = None  # the solo engine, built once: its recycling matrix learns across prompts
+        if self.lm.is_demo:
+            warnings.warn(DEMO_NOTICE, stacklevel=2)
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
+        """One Output per prompt, in order. A prompt is text, a list of {role, content} messages (chat template), a
+        list of token ids, or a dict as a prompts.jsonl line (id, overrides; its seed derived from the id as a job
+        derives it); one prompt alone may be given bare. sampling: one SamplingParams for all or one per prompt
+        (default: greedy, 256 tokens). Several prompts run at once on the batched engine. PromptError when a prompt
+        is bad (nothing is generated then)."""
+        from specrun.actors.memory import batch_engine, kv_need, page_size_for
+
+        reqs = self._requests(prompts, sampling)
+        if len(reqs) > 1 and self.config.attention == "sdpa" and self.max_concurrency > 1:
+            need = kv_need(max(len(ids) + p.max_tokens for ids, p, _ in reqs), self.config.trie_budget)
+            device = self.lm.device.type
+            engine, _ = batch_engine(self.lm, self.config, min(len(reqs), self.max_concurrency), need,
+                                     page_size_for(device, need), device)
+            if engine is not None:
+                order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))
+                results = engine.run([(i, reqs[i][0], reqs[i][1], []) for i in order])  # longest first
+                return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]
+        return [self._output(ids, p, self._solo().generate(ids, p), pid) for ids, p, pid in reqs]
+
+    def stream(self, prompt, sampling: SamplingParams | None = None) -> Stream:
+        """One prompt's generation as it runs: an iterator of Deltas (token ids as accepted, safe text); the joined
+        token ids equal generate()'s, and `stream.output` holds the Output at the end."""
+        (ids, params, pid), = self._requests([prompt], sampling)
+        return Stream(self, ids, params, pid)
+
+    def encode(self, prompt) -> list[int]:
+        """The token ids the model reads for a prompt (text, messages or token ids)."""
+        return self._requests([prompt], None)[0][0]
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _solo(self):
+        if self._engine is None:
+            from specrun.decoding.engine import Engine
+
+            try:
+                self._engine = Engine(self.lm, self.config)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        return self._engine
+
+    def _requests(self, prompts, sampling) -> list[tuple[list[int], SamplingParams, str | None]]:
+        from specrun.models.prompts import kind_of
+
+        if isinstance(prompts, (str, dict)) or _one_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = [sampling] * len(prompts) if sampling is None or isinstance(sampling, SamplingParams) \
+            else list(sampling)
+        if len(params) != len(prompts):
+            raise PromptError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        out = []
+        v = {}  # a Validator per distinct SamplingParams
+        where = "prompt {}: " if len(prompts) > 1 else ""
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            p = p if p is not None else SamplingParams()
+            try:  # a bare prompt is the line {kind: prompt, seed: its params' seed}: the same checks, and p as is
+                if self.chat and isinstance(prompt, str):
+                    prompt = [{"role": "user", "content": prompt}]
+                line = prompt if isinstance(prompt, dict) else {kind_of(prompt): prompt, "seed": p.seed}
+                rec = (v.get(p) or v.setdefault(p, self._validator(p))).record(line, i + 1)
+            except ValueError as e:
+                raise PromptError(f"{where.format(i)}{e}") from None
+            out.append((list(rec.input_ids), rec.params, rec.id if isinstance(prompt, dict) else None))
+        if not out:
+            raise PromptError("no prompts given")
+        return out
+
+    def _validator(self, base: SamplingParams):
+        from specrun.jobs.inputs import Validator
+
+        return Validator(self.tokenizer, self.lm.max_context, self.lm.vocab_size, base)
+
+    def _output(self, ids: list[int], params: SamplingParams, result, pid: str | None) -> Output:
+        from specrun.models.loader import output_text
+
+        return Output(list(result.token_ids), output_text(self.tokenizer, result.token_ids, result.finish_reason,
+                                                          params), result.finish_reason, result.stats, ids, pid)
+
+
+def _one_prompt(prompts) -> bool:
+    """A bare list of token ids or of chat messages is one prompt, not several."""
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and (
+        isinstance(prompts[0], int) or (isinstance(prompts[0], dict) and "role" in prompts[0]))
+

@@ -1,0 +1,87 @@
+"""specrun.LLM: generate (several prompts: the batched engine) equals `specrun generate --json` prompt by prompt; the
+stream yields exactly the final token ids and text (stop strings included); errors are SpecrunErrors; import is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+from click.testing import CliRunner
+
+import specrun
+from specrun.cli import main
+
+PROMPTS = ["abcabcabc", "Once upon a time", "The quick brown fox"]
+FLAGS = ["--max-tokens", "40", "--temperature", "0.8", "--min-p", "0.05", "--seed", "4", "--ignore-eos",
+         "--draft", "ngram,recycling"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return specrun.LLM(tiny_models["llama_gqa"], drafting="ngram,recycling", chat=False)  # as generate without --chat
+
+
+@pytest.fixture(scope="module")
+def params():
+    return specrun.SamplingParams(max_tokens=40, temperature=0.8, min_p=0.05, seed=4, ignore_eos=True)
+
+
+def test_generate_equals_cli_generate_json(tiny_models, llm, params):
+    outs = llm.generate(PROMPTS, params)  # three at once: the batched engine
+    for prompt, out in zip(PROMPTS, outs):
+        res = CliRunner().invoke(main, ["generate", "--model", tiny_models["llama_gqa"], "--prompt", prompt, "--json",
+                                        *FLAGS], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        cli = json.loads(res.stdout)
+        assert out.token_ids == cli["token_ids"]
+        assert (out.text, out.finish_reason) == (cli["text"], cli["finish_reason"])
+        assert set(out.stats) == set(cli["stats"])
+        assert out.prompt_token_ids == llm.encode(prompt)
+    # token ids as the prompt, and one prompt alone, give the same
+    assert llm.generate(llm.encode(PROMPTS[1]), params)[0].token_ids == outs[1].token_ids
+
+
+def test_stream_yields_exactly_the_final_tokens_and_text(llm, params):
+    full = llm.generate(PROMPTS[1], params)[0]
+    stream = llm.stream(PROMPTS[1], params)
+    deltas = list(stream)
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids == stream.output.token_ids
+    assert "".join(d.text for d in deltas) == full.text == stream.output.text
+    assert len(deltas) > 1  # token by token as accepted, not one lump at the end
+    # with a stop string in the text: the stream stops where generate does and never shows the stop string
+    half = full.text[len(full.text) // 2:]
+    stop = next(half[i:i + 2] for i in range(len(half)) if "\ufffd" not in half[i:i + 2] and half[i:i + 2].strip())
+    stopped = specrun.SamplingParams(**{**params.__dict__, "stop": (stop,)})
+    want = llm.generate(PROMPTS[1], stopped)[0]
+    stream = llm.stream(PROMPTS[1], stopped)
+    deltas = list(stream)
+    assert want.finish_reason == "stop" and stop not in want.text
+    assert [t for d in deltas for t in d.token_ids] == want.token_ids
+    assert "".join(d.text for d in deltas) == want.text
+
+
+def test_errors_are_specrun_errors(llm):
+    with pytest.raises(specrun.ModelError, match="cannot load model '/no/such/model'"):
+        specrun.LLM("/no/such/model")
+    with pytest.raises(specrun.PromptError, match="prompt 1: prompt is empty"):
+        llm.generate(["fine", ""])
+    with pytest.raises(specrun.SpecrunError, match="exceeds the model context"):
+        llm.generate("x", specrun.SamplingParams(max_tokens=10**6))
+    with pytest.raises(specrun.ConfigError, match="bogus"):
+        specrun.LLM("demo", drafting="bogus")
+
+
+def test_demo_warns(specrun_cache):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        specrun.LLM("demo")
+    assert any("RANDOM-WEIGHT" in str(w.message) for w in caught)
+
+
+def test_import_is_cheap():
+    code = "import sys, specrun; print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
