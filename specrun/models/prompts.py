@@ -32,13 +32,16 @@ def check_token_ids(what: str, ids, vocab_size: int) -> None:
 
 def max_text_bytes(tokenizer, max_context: int) -> int | None:
     """Most UTF-8 bytes of text that can encode to max_context tokens or fewer: no token stands for more bytes than
-    its longest vocabulary string spells (x4: normalizers such as NFKC shrink some characters). Longer text is refused
-    before it is tokenized (a 50 MB prompt took minutes and GBs to find out). None: no vocabulary to read."""
+    its longest vocabulary string spells (x4 where the tokenizer normalizes: NFKC shrinks some characters up to 3x).
+    Longer text is refused before it is tokenized (a 50 MB prompt took minutes and GBs to find out). None: no
+    vocabulary to read."""
     try:
         longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab())
     except (AttributeError, TypeError, ValueError):
         return None
-    return max_context * max(longest, 1) * 4
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrink = 1 if backend is not None and getattr(backend, "normalizer", 0) is None else 4
+    return max_context * max(longest, 1) * shrink
 
 
 def _check_size(n_bytes: int, what: str, max_text: int | None, max_context: int | None) -> None:

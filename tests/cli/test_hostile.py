@@ -205,7 +205,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(model, tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x" * n}) + "\n"
                  + json.dumps({"messages": [{"role": "user", "content": "y" * n}]}) + "\n"
-                 + json.dumps({"prompt": "z" * 30 * n}) + "\n")
+                 + json.dumps({"prompt": "z" * (6 * n + (1 << 20))}) + "\n")  # past the line limit
     with pytest.raises(InputError) as e:
         read_prompts(p, Watched(), info.max_context, info.vocab_size, SamplingParams(max_tokens=4))
     assert [x.split(":")[0] for x in e.value.problems] == ["line 2", "line 3", "line 4"]
