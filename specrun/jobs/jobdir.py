@@ -55,7 +55,7 @@ class JobDir:
     def __init__(self, location: str | os.PathLike):
         self.root = job_path(location)  # a Path, or an ObjectPath for an object-store URI (storage/fs.py)
         self.fs = fs_of(self.root)
-        self.records = Records(self.root, self.prompt_ids)
+        self.records = Records(self.root, self.prompt_ids, lambda: self.manifest().get("checksum"))
         self.manifest_path = self.root / "job.json"
         self.prompts_path = self.root / "prompts.parquet"
         self.lock_path = self.root / "lock.json"

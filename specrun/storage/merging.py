@@ -11,7 +11,6 @@ from specrun.storage.fs import is_tmp_name, move_aside
 from specrun.storage.names import id_key
 from specrun.storage.outputs import Compaction
 from specrun.storage.rowfiles import Source, bad_rows, merge_batches, open_parquet, row_writer
-from specrun.storage.schemas import OUTPUT
 
 
 def repair(store: outputs.OutputStore, keymap: dict[str, str], key) -> list[str]:
@@ -107,7 +106,7 @@ def _merge(store: outputs.OutputStore, sources: list[Source], level: int, key, r
     moved aside instead); returns the new file as a Source (None if no row was readable)."""
     path = store.dir / f"merged.{level}.{uuid.uuid4().hex[:16]}.parquet"
     written: list[str] = []
-    with row_writer(path, OUTPUT) as w:
+    with row_writer(path, store.schema()) as w:
         for _, pids, t in merge_batches(sources, key, cancel=cancel):
             w.add(t)
             written.extend(pids)

@@ -88,7 +88,8 @@ def _checked(table: pa.Table, read: list[str], cols: list[str], verify: bool, da
     return table.select(cols).take(keep).to_pylist() if bad else table.select(cols).to_pylist()
 
 
-FOREIGN = "holds rows of prompts that are not this job's"
+FOREIGN = "holds rows that are not this job's"
+STAMP = b"specrun.job"  # Parquet metadata key: the identity of the job that wrote the file
 
 
 def foreign(path) -> str:
@@ -102,12 +103,25 @@ def is_foreign(problem: str) -> bool:
 
 
 class OutputStore:
-    def __init__(self, directory, job_keys=None):
+    def __init__(self, directory, job_keys=None, job_stamp=None):
         self.dir = job_path(directory)
         self.fs = fs_of(self.dir)
         # () -> the file keys of the job's prompts: a file holding any other row is foreign (copied in from elsewhere)
         # and is never read, merged, moved or deleted; None (a bare store): every file is the job's
         self.job_keys = job_keys
+        # () -> the job's identity (its manifest's checksum), written into every file's metadata: a file stamped
+        # with another is foreign too, even where its ids are the job's; files written before stamps have none
+        self.job_stamp = job_stamp
+
+    def schema(self) -> pa.Schema:
+        """The schema files are written with: OUTPUT, stamped with the job's identity when it has one."""
+        stamp = self.job_stamp() if self.job_stamp is not None else None
+        return OUTPUT.with_metadata({STAMP: stamp.encode()}) if stamp else OUTPUT
+
+    def _other_job(self, pf, stamp: bytes | None) -> bool:
+        """Whether an open file carries another job's stamp."""
+        mine = (pf.schema_arrow.metadata or {}).get(STAMP)
+        return stamp is not None and mine is not None and mine != stamp
 
     def part_path(self, prompt_id: str):
         return self.dir / f"{id_key(prompt_id)}.parquet"
@@ -115,7 +129,7 @@ class OutputStore:
     def write_part(self, row: dict):
         """One prompt's row, durable when this returns; a rerun replaces the same file (never a second row)."""
         path = self.part_path(row["id"])
-        with row_writer(path, OUTPUT) as w:
+        with row_writer(path, self.schema()) as w:
             w.add(pa.Table.from_pylist([row], schema=OUTPUT))
         return path
 
@@ -128,10 +142,19 @@ class OutputStore:
                 merged.append((int(m.group(1)), self.dir / n))
         return parts, sorted(merged)
 
+    def _part_of_other_job(self, path, stamp: bytes) -> bool:
+        try:
+            with open_parquet(path) as pf:  # the footer only
+                return self._other_job(pf, stamp)
+        except Exception:  # noqa: BLE001 - unreadable: reading its row says so (and repair sets it aside)
+            return False
+
     def snapshot(self, keymap: dict[str, str], set_aside: bool = False) -> Snapshot:
         """The files of outputs/ as of one consistent moment (see the module doc). keymap: file key -> prompt id (a
         part whose key is not in it is opened to read its id). set_aside: move unreadable merged files to .corrupt."""
         keys = self.job_keys() if self.job_keys is not None else None
+        stamp = self.job_stamp() if self.job_stamp is not None else None
+        stamp = stamp.encode() if stamp else None
         for _ in range(SNAPSHOT_TRIES):
             parts, merged = self._list()
             snap, complete = Snapshot([]), True
@@ -150,7 +173,7 @@ class OutputStore:
                     if set_aside:
                         move_aside(path)
                     continue
-                if keys is not None and any(id_key(i) not in keys for i in ids):
+                if keys is not None and any(id_key(i) not in keys for i in ids) or self._other_job(pf, stamp):
                     pf.close()
                     snap.problems.append(foreign(path))
                     continue
@@ -161,7 +184,7 @@ class OutputStore:
                 snap.close()
                 continue
             for key, path in parts.items():
-                if keys is not None and key not in keys:
+                if keys is not None and key not in keys or stamp is not None and self._part_of_other_job(path, stamp):
                     snap.problems.append(foreign(path))
                     continue
                 pid = keymap.get(key)

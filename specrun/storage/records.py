@@ -49,20 +49,28 @@ def output_row(prompt_id: str, token_ids: list[int], text: str, finish_reason: s
 class Records:
     """Paths and readers/writers for outputs/, done/, failed/, live/ and progress/ of one job directory."""
 
-    def __init__(self, root, job_ids=None):
-        """job_ids: () -> the job's prompt ids (read once, when outputs/ is first read): rows of other prompts found
-        in outputs/ are foreign and left alone; None: every row there counts."""
+    def __init__(self, root, job_ids=None, job_stamp=None):
+        """job_ids: () -> the job's prompt ids, job_stamp: () -> its identity (each read once, when outputs/ is first
+        used): files in outputs/ holding other prompts' rows or stamped by another job are foreign and left alone;
+        None: every row there counts."""
         self.root = root = job_path(root)
         self.fs = fs_of(root)
         self.outputs, self.done, self.failed, self.live = (root / n for n in ("outputs", "done", "failed", "live"))
         self.progress = root / "progress"
         self._job_ids, self._job_keys = job_ids, None
-        self.store = OutputStore(self.outputs, self.job_keys if job_ids is not None else None)
+        self._job_stamp, self._stamp = job_stamp, None
+        self.store = OutputStore(self.outputs, self.job_keys if job_ids is not None else None,
+                                 self.job_stamp if job_stamp is not None else None)
 
     def job_keys(self) -> set[str]:
         if self._job_keys is None:
             self._job_keys = {id_key(i) for i in self._job_ids()}
         return self._job_keys
+
+    def job_stamp(self) -> str | None:
+        if self._stamp is None:
+            self._stamp = self._job_stamp() or ""
+        return self._stamp or None
 
     def output_path(self, prompt_id: str):
         """The part file a prompt's row is written to (merged later into a merged file)."""

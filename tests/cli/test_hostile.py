@@ -75,11 +75,12 @@ def _tree(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def jobs(model, ray_up, tmp_path_factory):
-    """Two finished jobs of the tiny model: 'a' (ids a0-a2) and 'b' (ids b0, b1)."""
+    """Finished jobs of the tiny model: 'a' (ids a0-a2), 'b' (ids b0, b1), 'a_seed1' (a's ids, another seed)."""
     d = tmp_path_factory.mktemp("jobs")
     out = {}
-    for name, ids in (("a", ["a0", "a1", "a2"]), ("b", ["b0", "b1"])):
-        r = _cli("submit", _prompts(d / f"{name}.jsonl", ids), "--model", model, "--job-dir", d / name, *FLAGS)
+    for name, ids, seed in (("a", ["a0", "a1", "a2"], 0), ("b", ["b0", "b1"], 0), ("a_seed1", ["a0", "a1", "a2"], 1)):
+        r = _cli("submit", _prompts(d / f"{name}.jsonl", ids), "--model", model, "--job-dir", d / name, *FLAGS,
+                 "--seed", seed, "--temperature", 1)
         assert r.exit_code == 0, r.output
         out[name] = d / name
     return out
@@ -139,6 +140,26 @@ def test_rows_of_another_job_are_never_exported_or_merged(job_a, jobs, tmp_path)
     assert sorted(ids) == ["a0", "a1", "a2"]
     st = json.loads(_cli("status", job_a, "--json").stdout)
     assert st["totals"]["done"] == 3 and st["totals"]["total"] == 3
+
+
+def test_a_file_of_another_job_with_the_same_ids_is_foreign(job_a, jobs):
+    own = next((job_a / "outputs").glob("merged.*.parquet"))
+    theirs = next((jobs["a_seed1"] / "outputs").glob("merged.*.parquet"))
+    want = pq.read_table(own, columns=["id", "token_ids"]).to_pylist()
+    assert pq.read_table(theirs, columns=["id", "token_ids"]).to_pylist() != want
+    own.unlink()
+    copied = job_a / "outputs" / theirs.name
+    shutil.copy(theirs, copied)
+    r = CliRunner().invoke(main, ["export", str(job_a)])
+    assert r.stdout == "" and "not this job's" in r.output, r.output
+    for m in (job_a / "done").glob("*.json"):
+        m.unlink()
+    assert _cli("resume", job_a, "-q").exit_code == 0
+    assert copied.read_bytes() == theirs.read_bytes()
+    r = CliRunner().invoke(main, ["export", str(job_a)])
+    assert [json.loads(x)["id"] for x in r.stdout.splitlines()] == ["a0", "a1", "a2"]
+    mine = [p for p in (job_a / "outputs").glob("*.parquet") if p != copied]
+    assert len(mine) == 1 and pq.read_table(mine[0], columns=["id", "token_ids"]).to_pylist() == want
 
 
 # -- 4, 5. the lock is taken before any file; a half-created job is taken over ---------------------------------
