@@ -89,20 +89,22 @@ def _rows(batches) -> Iterator[dict]:
 def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingParams | None = None,
             drafting: EngineConfig | str | None = None, dtype: str = "auto", device: str = "cpu",
             trust_remote_code: bool = False, checkpoint_every: int = 2048, checkpoint_seconds: float = 60.0,
-            columns: Columns | None = None, notice: Callable[[str], None] = _warn) -> Job:
+            columns: Columns | None = None, notice: Callable[[str], None] = _warn,
+            rope_scaling: str | None = None) -> Job:
     """Validate every prompt and create the job (nothing is written if any is bad), or find the same job already
     there (Job.created False). prompts: a prompts.jsonl or Parquet path (columns: which hold the prompt and id), or a
     list of prompts (text, messages, token ids or prompts-file line dicts). InputError lists the bad lines; JobError
-    when job_dir holds a job with other settings; ModelError for the model."""
+    when job_dir holds a job with other settings; ModelError for the model. rope_scaling: 'TYPE:FACTOR' extends the
+    model's context (models/rope.py), an output setting of the job."""
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, default_job_dir, prepare_job
     from specrun.llm import DEMO_NOTICE, drafting_config
     from specrun.models.loader import resolve_dtype
 
     try:
-        info = model_info(model, trust_remote_code)
+        info = model_info(model, trust_remote_code, rope_scaling)
         dtype = resolve_dtype(dtype, model, device)  # stored resolved: a resume computes in the same dtype anywhere
-        settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
+        settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds, rope_scaling)
     except (ValueError, OSError) as e:
         raise ModelError(f"cannot load model {model!r}: {e}") from e
     if info.is_demo:
@@ -158,7 +160,7 @@ def check_remote_code(manifest: dict, given: bool, job_root) -> bool:
 def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingParams | None = None,
            drafting: EngineConfig | str | None = None, dtype: str = "auto", device: str = "cpu",
            trust_remote_code: bool = False, checkpoint_every: int = 2048, checkpoint_seconds: float = 60.0,
-           columns: Columns | None = None, **run_options) -> Job:
+           columns: Columns | None = None, rope_scaling: str | None = None, **run_options) -> Job:
     """prepare() the job, then run it here to the end (Job.run; run_options: actors, address, concurrency, quiet...).
     Returns the Job: job.summary says what finished or failed, job.outputs() reads the rows. Submitting the same
     prompts and settings again resumes the job."""
@@ -166,7 +168,7 @@ def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPara
 
     job = prepare(prompts, job_dir, model=model, sampling=sampling, drafting=drafting, dtype=dtype, device=device,
                   trust_remote_code=trust_remote_code, checkpoint_every=checkpoint_every,
-                  checkpoint_seconds=checkpoint_seconds, columns=columns)
+                  checkpoint_seconds=checkpoint_seconds, columns=columns, rope_scaling=rope_scaling)
     job.run(model_path=job.model_path, device=device, engine=None if drafting is None else drafting_config(drafting),
             checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds, **run_options)
     return job
@@ -183,7 +185,7 @@ def reopen(job_dir, model_path: str | None = None, trust_remote_code: bool = Fal
     from specrun.jobs.modelinfo import model_info
 
     try:
-        info = model_info(model_path, remote_code)
+        info = model_info(model_path, remote_code, manifest["model"].get("rope_scaling"))
     except (ValueError, OSError) as e:
         raise ModelError(f"cannot load model {model_path!r}: {e}") from e
     m = manifest["model"]

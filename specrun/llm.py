@@ -16,13 +16,15 @@ DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; i
 MAX_CONCURRENCY = 16  # prompts generated at once by default (actors/memory.py AUTO_MAX: per-step work grows with N)
 
 
-def load_lm(model: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
-    """LoadedModel of a local HF directory, 'smollm2' or 'demo'; ModelError naming the bad value."""
+def load_lm(model: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False,
+            rope_scaling: str | None = None):
+    """LoadedModel of a local HF directory, 'smollm2' or 'demo' (rope_scaling: 'TYPE:FACTOR', models/rope.py);
+    ModelError naming the bad value."""
     from specrun.models.loader import load_model, resolve_dtype
 
     try:
         return load_model(model, dtype=resolve_dtype(dtype, model, device), device=device,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, rope_scaling=rope_scaling)
     except (ValueError, OSError) as e:
         raise ModelError(f"cannot load model {model!r}: {e}") from e
 
@@ -101,14 +103,15 @@ class LLM:
     model: a local HF directory, 'smollm2' or 'demo'; dtype: auto, float32, float64, bfloat16, float16; device: cpu or
     cuda; drafting: an EngineConfig, 'auto', 'none' or a comma list of drafters (the tokens are the same whatever it
     is); chat: a text prompt is sent as one user message through the chat template (auto: where the model has one;
-    False: as raw text, as `specrun generate` without --chat). Raises ModelError when the model cannot be loaded.
+    False: as raw text, as `specrun generate` without --chat); rope_scaling: 'TYPE:FACTOR' extends the context
+    (e.g. 'yarn:16'). Raises ModelError when the model cannot be loaded.
     """
 
     def __init__(self, model: str = "demo", *, dtype: str = "auto", device: str = "cpu",
                  drafting: EngineConfig | str | None = None, trust_remote_code: bool = False,
-                 max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto"):
+                 max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto", rope_scaling: str | None = None):
         self.config = drafting_config(drafting)
-        self.lm = load_lm(model, dtype, device, trust_remote_code)
+        self.lm = load_lm(model, dtype, device, trust_remote_code, rope_scaling)
         # an instruct model answers a request sent as a user message; raw text it may just end (smollm2: EOS at once)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat == "auto" else bool(chat)
         self.max_concurrency = max_concurrency

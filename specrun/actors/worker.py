@@ -49,6 +49,7 @@ class WorkerSpec:
     kv_need: int = 0  # KV slots one sequence may need (the job's longest prompt + max_tokens + a trie)
     page_size: int = 1  # the batched engine's KV pages hold this many tokens
     workers: int = 1  # the run's workers (a CPU worker's memory budget is its share)
+    rope_scaling: str | None = None  # the job's context extension (models/rope.py)
 
 
 def engine_config(d: dict):
@@ -121,7 +122,8 @@ class GenerationWorker:
             spec = self.spec
             if spec.threads > 0 and spec.device == "cpu":
                 torch.set_num_threads(spec.threads)
-            lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, trust_remote_code=spec.trust_remote_code)
+            lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, trust_remote_code=spec.trust_remote_code,
+                            rope_scaling=spec.rope_scaling)
             if lm.fingerprint != spec.fingerprint:
                 raise ValueError(f"model at {spec.model!r} has fingerprint {lm.fingerprint}, the job was made with "
                                  f"{spec.fingerprint}: the model files changed")

@@ -17,6 +17,7 @@ from specrun.cli.options import (
     engine_config_from,
     engine_options,
     model_options,
+    rope_option,
     sampling_options,
     sampling_params_from,
 )
@@ -57,6 +58,7 @@ def int_list(value: str | None, hint: str) -> tuple[int, ...]:
               help="With --concurrency: attention over the paged KV pool (auto: dense on CPU in bf16/fp16, else sdpa).")
 @chat_option
 @model_options
+@rope_option
 @sampling_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number instead of tables.")
@@ -128,7 +130,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
         dtype = resolve_dtype(dtype, model, device)
     except (ValueError, OSError) as e:
         raise click.ClickException(f"cannot load model {model!r}: {e}") from e
-    lm = load_for_cli(model, dtype, device, trust_remote_code)
+    lm = load_for_cli(model, dtype, device, trust_remote_code, kw.get("rope_scaling"))
     planned = drop_unrunnable(planned, lm, notes)
     prompt_ids = encode_prompt(lm, text, chat)
     if len(prompt_ids) + n > lm.max_context:
@@ -138,7 +140,8 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
     if any(spec.kind == "hf" for spec, _ in planned):
         from specrun.models.loader import load_model
 
-        hf_lm = load_model(lm.path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)  # own copy, SDPA
+        hf_lm = load_model(lm.path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                           rope_scaling=kw.get("rope_scaling"))  # own copy, SDPA
         notes = hf_notes(params, len(prompt_ids)) + notes
     notes.append("specrun runs use a fresh Engine each (cold drafters: no recycling state carried between runs)")
 

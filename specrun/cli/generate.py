@@ -16,27 +16,29 @@ from specrun.cli.options import (
     engine_config_from,
     engine_options,
     model_options,
+    rope_option,
     sampling_options,
     sampling_params_from,
 )
 from specrun.llm import DEMO_NOTICE, LLM
 
 
-def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool):
+def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool, rope_scaling: str | None = None):
     """LoadedModel (ModelError names a bad value); the demo model's notice on stderr."""
     from specrun.llm import load_lm
 
-    lm = load_lm(model, dtype, device, trust_remote_code)
+    lm = load_lm(model, dtype, device, trust_remote_code, rope_scaling)
     if lm.is_demo:
         click.echo(DEMO_NOTICE, err=True)
     return lm
 
 
-def open_llm(model: str, dtype: str, device: str, trust_remote_code: bool, config) -> LLM:
+def open_llm(model: str, dtype: str, device: str, trust_remote_code: bool, config, rope_scaling=None) -> LLM:
     """specrun.LLM with its demo warning said as the CLI says it (one line on stderr)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        llm = LLM(model, dtype=dtype, device=device, drafting=config, trust_remote_code=trust_remote_code, chat=False)
+        llm = LLM(model, dtype=dtype, device=device, drafting=config, trust_remote_code=trust_remote_code, chat=False,
+                  rope_scaling=rope_scaling)
     if llm.lm.is_demo:
         click.echo(DEMO_NOTICE, err=True)
     return llm
@@ -73,6 +75,7 @@ chat_option = click.option("--chat", is_flag=True,
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Most new tokens to generate.")
 @chat_option
 @model_options
+@rope_option
 @sampling_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (token_ids, text, finish_reason, stats).")
@@ -92,7 +95,7 @@ def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
     params = sampling_params_from(kw, max_tokens)
-    llm = open_llm(model, dtype, device, trust_remote_code, engine_config_from(kw))
+    llm = open_llm(model, dtype, device, trust_remote_code, engine_config_from(kw), kw.get("rope_scaling"))
     request = chat_prompt(llm.tokenizer, text, chat)
     if as_json:
         click.echo(json.dumps(llm.generate([request], params)[0].to_json()))

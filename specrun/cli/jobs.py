@@ -20,6 +20,7 @@ from specrun.cli.options import (
     engine_config_from,
     engine_options,
     model_options,
+    rope_option,
     sampling_options,
     sampling_params_from,
 )
@@ -94,6 +95,7 @@ def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None
                    "s3://bucket/prefix.")
 @_apply(checkpoint_options)
 @model_options
+@rope_option
 @sampling_options
 @engine_options
 @_apply(run_options)
@@ -127,7 +129,7 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     columns = Columns(*names) if any(n is not None for n in names) else None
     job = prepare(prompts, job_dir, model=model, sampling=params, drafting=engine, dtype=dtype, device=device,
                   trust_remote_code=trust_remote_code, checkpoint_every=checkpoint_every,
-                  checkpoint_seconds=checkpoint_seconds, columns=columns,
+                  checkpoint_seconds=checkpoint_seconds, columns=columns, rope_scaling=kw["rope_scaling"],
                   notice=lambda m: click.echo(DEMO_NOTICE, err=True))
     if not quiet:
         click.echo(f"{'created' if job.created else 'resuming'} job {job.root}", err=True)

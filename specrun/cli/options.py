@@ -37,6 +37,22 @@ model_options = stack_options(
     click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory."),
 )
 
+def _rope(ctx, param, value):
+    """click callback: --rope-scaling TYPE:FACTOR, checked here so a bad value is named before anything loads."""
+    if value is not None:
+        from specrun.models.rope import parse_rope_scaling
+
+        try:
+            parse_rope_scaling(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e).split(": ", 1)[1]) from None
+    return value
+
+
+rope_option = click.option("--rope-scaling", "rope_scaling", metavar="TYPE:FACTOR", callback=_rope, default=None,
+                           help="Extend the model's context by FACTOR with a position-pure RoPE scaling (linear, yarn), "
+                                "e.g. yarn:16 (TokenSwift's 100K runs). A job records it; a resume keeps it.")
+
 sampling_options = stack_options(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
     click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),

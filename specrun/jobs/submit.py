@@ -32,6 +32,7 @@ class JobSettings:
     trust_remote_code: bool = False
     checkpoint_every: int = 2048
     checkpoint_seconds: float = 60.0
+    rope_scaling: str | None = None  # 'TYPE:FACTOR' (models/rope.py): an output setting
 
     def __post_init__(self):
         check_checkpoint(self.checkpoint_every, self.checkpoint_seconds)
@@ -43,7 +44,8 @@ def build_manifest(prompts_path: Path, input_sha: str, n_prompts: int, info: Mod
         "specrun_version": __version__, "schema_version": SCHEMA_VERSION, "created_at": time.time(),
         "input": {"path": str(prompts_path.resolve()), "sha256": input_sha, "n_prompts": n_prompts},
         "model": {"arg": info.arg, "path": info.path, "fingerprint": info.fingerprint, "dtype": settings.dtype,
-                  "device": settings.device, "trust_remote_code": settings.trust_remote_code},
+                  "device": settings.device, "trust_remote_code": settings.trust_remote_code,
+                  "rope_scaling": settings.rope_scaling},
         "params": json.loads(json.dumps(dataclasses.asdict(params))),  # stop tuples -> lists, as read back
         "engine": engine_json(engine),
         "checkpoint": {"every": settings.checkpoint_every, "seconds": settings.checkpoint_seconds},

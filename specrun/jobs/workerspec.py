@@ -22,7 +22,7 @@ def worker_spec(job: JobDir, manifest: dict, settings: dict, prompts: Iterable, 
                       trust_remote_code=m.get("trust_remote_code", False), engine=s["engine"],
                       checkpoint_every=ck["every"], checkpoint_seconds=ck["seconds"],
                       hot_start=tuple(s["hot_start"]), threads=1 if s["device"] == "cpu" else 0,
-                      job_created_at=manifest.get("created_at"),
+                      job_created_at=manifest.get("created_at"), rope_scaling=m.get("rope_scaling"),
                       **_batching(settings, prompts, workers, len(prompts) if to_run is None else to_run))
 
 

@@ -158,10 +158,11 @@ def _eos_ids(model, tokenizer) -> frozenset:
 
 
 def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, rope_scaling: str | None = None) -> LoadedModel:
     """Load a local HF causal LM directory (local files only; no hub access) or the demo model ("demo").
 
     The model comes back in eval mode with gradients off, with attn_implementation="sdpa" (the engine swaps in its own).
+    rope_scaling: 'TYPE:FACTOR' extends its context (models/rope.py).
     """
     torch_dtype = parse_dtype(dtype)
     dev = parse_device(device)
@@ -175,13 +176,17 @@ def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
 
     from specrun.decoding.decoder import check_supported
 
-    check_supported(AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code))
+    from specrun.models.rope import apply_rope_scaling
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    apply_rope_scaling(config, rope_scaling)
+    check_supported(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         with quiet_progress_bars():
             model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-                attn_implementation="sdpa",
+                model_dir, config=config, dtype=torch_dtype, local_files_only=True,
+                trust_remote_code=trust_remote_code, attn_implementation="sdpa",
             )
     except (OSError, ValueError):
         raise
