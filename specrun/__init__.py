@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError
+from specrun.errors import ConfigError, InputError, ModelError, PromptError, SpecrunError
 
 __version__ = "0.1.0"
 
@@ -17,7 +17,7 @@ _LAZY = {  # name -> module that defines it (torch, transformers and Ray load on
     "LLM": "specrun.llm", "Output": "specrun.llm", "Delta": "specrun.llm", "Stream": "specrun.llm",
     "SamplingParams": "specrun.decoding.sampling", "EngineConfig": "specrun.decoding.engine",
     "submit": "specrun.job", "resume": "specrun.job", "Job": "specrun.job", "RunOptions": "specrun.jobs.runopts",
-    "JobError": "specrun.jobs.jobdir", "InputError": "specrun.jobs.inputs", "Columns": "specrun.jobs.parquet_in",
+    "JobError": "specrun.jobs.jobdir", "Columns": "specrun.jobs.parquet_in",
 }
 __all__ = [
     "LLM",

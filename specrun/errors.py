@@ -19,3 +19,12 @@ class PromptError(SpecrunError, ValueError):
 
 class ConfigError(SpecrunError, ValueError):
     """A setting that cannot work (an unknown drafter, a sampling value out of range, a bad column choice)."""
+
+
+class InputError(SpecrunError, ValueError):
+    """A prompts file (JSON lines or Parquet) with bad lines or that cannot be read: lists them, nothing was started."""
+
+    def __init__(self, path: str, problems: list[str], total: int):
+        self.problems, self.total = problems, total
+        more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
+        super().__init__(f"{path}: {total} problem(s), nothing was started:\n  " + "\n  ".join(problems) + more)

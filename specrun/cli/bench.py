@@ -16,25 +16,13 @@ from specrun.cli.generate import chat_option
 from specrun.cli.options import (
     engine_config_from,
     engine_options,
+    int_list,
     model_options,
     rope_option,
     sampling_options,
     sampling_params_from,
 )
 from specrun.decoding.paged_attention import PAGED_BACKENDS
-
-
-def int_list(value: str | None, hint: str) -> tuple[int, ...]:
-    """"2048,8192" -> (2048, 8192), sorted and unique, each >= 1; BadParameter naming the flag otherwise."""
-    if not value:
-        return ()
-    try:
-        out = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
-    except ValueError as e:
-        raise click.BadParameter(f"{value!r} is not a comma list of integers", param_hint=hint) from e
-    if not out or out[0] < 1:
-        raise click.BadParameter(f"{value!r}: values must be >= 1", param_hint=hint)
-    return out
 
 
 @click.command()

@@ -12,8 +12,7 @@ import sys
 
 import click
 
-from specrun.cli.bench import int_list
-from specrun.cli.options import engine_config_from, sampling_params_from
+from specrun.cli.options import engine_config_from, int_list, sampling_params_from
 
 
 def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dtype, device, trust_remote_code,

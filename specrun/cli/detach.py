@@ -45,10 +45,11 @@ def _long(opts: list[str]) -> str:
     return max(opts, key=len)
 
 
-def run_detached(ctx: click.Context, job, address: str | None, model_path: str | None = None) -> int:
-    """Submit `specrun resume JOB` (with this command's run, device, drafting and checkpoint flags) as a Ray Job;
-    print its id and how to follow it. Exit status 0 once Ray has accepted it."""
-    from specrun.cli.jobs import resume
+def run_detached(ctx: click.Context, job, address: str | None, resume: click.Command,
+                 model_path: str | None = None) -> int:
+    """Submit `specrun resume JOB` (with this command's flags that `resume`, the command given, takes: run, device,
+    drafting and checkpoint flags) as a Ray Job; print its id and how to follow it. Exit status 0 once Ray has accepted
+    it."""
     from specrun.jobs.detach import submit_detached
     from specrun.jobs.jobdir import JobError
 

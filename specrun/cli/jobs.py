@@ -134,7 +134,7 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     if not quiet:
         click.echo(f"{'created' if job.created else 'resuming'} job {job.root}", err=True)
     if kw["detach"]:
-        sys.exit(run_detached(click.get_current_context(), job.dir, address))
+        sys.exit(run_detached(click.get_current_context(), job.dir, address, resume))
     sys.exit(_run(job, actors, gpus_per_actor, address, hot_start, quiet, job.model_path, device=device, engine=engine,
                   checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
                   concurrency=kw["concurrency"]))
@@ -171,7 +171,7 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
     check_detach(kw["detach"], address)
     job, model_path = reopen(job_dir, model_path, trust_remote_code)
     if kw["detach"]:
-        sys.exit(run_detached(ctx, job.dir, address, model_path))
+        sys.exit(run_detached(ctx, job.dir, address, resume, model_path))
     given = {n for n in ctx.params if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT}
     try:
         engine = engine_config_from(kw, engine_config(job.dir.manifest()["engine"]), given) \

@@ -178,3 +178,16 @@ class Concurrency(click.ParamType):
         if n < 1:
             self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
         return n
+
+
+def int_list(value: str | None, hint: str) -> tuple[int, ...]:
+    """"2048,8192" -> (2048, 8192), sorted and unique, each >= 1; BadParameter naming the flag otherwise."""
+    if not value:
+        return ()
+    try:
+        out = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r} is not a comma list of integers", param_hint=hint) from e
+    if not out or out[0] < 1:
+        raise click.BadParameter(f"{value!r}: values must be >= 1", param_hint=hint)
+    return out

@@ -13,15 +13,13 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from specrun.decoding.kernel_build import build, cpu_has_bf16_dot
 from specrun.models.cache import cache_root
 
-if TYPE_CHECKING:
-    from specrun.decoding.penalty import Patches
+Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, present): per-node overrides of presence
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 

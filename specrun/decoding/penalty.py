@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from specrun.decoding.cpu_kernels import Patches
 from specrun.decoding.trie import Trie
-
-Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, present): per-node overrides of presence
 
 
 class PenaltyWindow:

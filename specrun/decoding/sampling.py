@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from specrun.decoding.cpu_kernels import argmax_rows, cpu_kernels, row_kernels
+from specrun.decoding.cpu_kernels import Patches, argmax_rows, cpu_kernels, row_kernels
 from specrun.decoding.stops import check_stop_token_ids, check_stops
-
-if TYPE_CHECKING:
-    from specrun.decoding.penalty import Patches
 
 _M32 = 0xFFFFFFFF
 MAX_INT = 2**31 - 1  # counts and windows beyond any context; larger values overflow int32/int64 tensor arguments

@@ -15,6 +15,8 @@ is seen as U+FFFD (it can miss a stop there, never invent one).
 
 from __future__ import annotations
 
+from specrun.models.detokenize import decode_tokens
+
 MAX_STOPS = 4  # as the OpenAI API
 MAX_STOP_CHARS = 1000  # per stop string: the tail kept and searched per token grows with it
 MAX_HELD = 16  # tokens held back while their text ends in an incomplete character; then taken as decoded (U+FFFD)
@@ -62,8 +64,6 @@ class StopMatcher:
     """Incremental stop-string matching: each feed decodes a bounded window and searches a bounded tail."""
 
     def __init__(self, tokenizer, stops):
-        from specrun.models.loader import decode_tokens
-
         self.stops = check_stops(stops)
         if not self.stops:
             raise ValueError("StopMatcher needs at least one stop string")

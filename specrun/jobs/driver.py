@@ -28,9 +28,10 @@ from specrun.jobs.attempts import attempt_settings, recorded_attempt
 from specrun.jobs.compaction import Compactor
 from specrun.jobs.interrupts import _Interrupts, _SafeDisplay
 from specrun.jobs.jobdir import JobDir, JobError
-from specrun.jobs.progress import Snapshot, make_view
+from specrun.jobs.progress import make_view
 from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, RunSummary  # noqa: F401
 from specrun.jobs.slots import _cause, _Slots, _Start
+from specrun.jobs.snapshot import Snapshot
 from specrun.jobs.workerspec import worker_spec
 from specrun.storage.chunks import read_progress
 from specrun.storage.outputs import is_foreign

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.stops import check_stop_token_ids, check_stops
-from specrun.errors import SpecrunError
+from specrun.errors import InputError  # also imported from here
 from specrun.jobs.openai_in import from_openai
 from specrun.models.prompts import KINDS, check_token_ids, encode, max_text_bytes
 
@@ -48,13 +48,6 @@ class PromptRecord:
     overrides: dict
     params: SamplingParams  # effective params, seed resolved
     source: str | None = None  # the field the line gave it in (SOURCES; an OpenAI line: its url's); None: not recorded
-
-
-class InputError(SpecrunError, ValueError):
-    def __init__(self, path: str, problems: list[str], total: int):
-        self.problems, self.total = problems, total
-        more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
-        super().__init__(f"{path}: {total} problem(s), nothing was started:\n  " + "\n  ".join(problems) + more)
 
 
 def derive_seed(job_seed: int, prompt_id: str) -> int:

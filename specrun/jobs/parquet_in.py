@@ -61,7 +61,7 @@ def parquet_rows(path, columns: Columns | None, h):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from specrun.jobs.inputs import InputError
+    from specrun.errors import InputError
 
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):

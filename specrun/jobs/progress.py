@@ -1,29 +1,16 @@
-"""What a run shows: the driver sends a Snapshot (at most every REFRESH_S) and log/warn lines to a view it is given;
-views here print plain periodic lines or (quiet) only warnings; rich bars are rich_view.py's. make_view picks one.
+"""What a run shows: the driver sends a Snapshot (snapshot.py) and log/warn lines to a view it is given; views here
+print plain periodic lines or (quiet) only warnings; rich bars are rich_view.py's. make_view picks one.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 
 from specrun.jobs.printable import printable
+from specrun.jobs.snapshot import Snapshot  # also imported from here
 
 PLAIN_EVERY_S = 10.0
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    total_prompts: int
-    done_prompts: int
-    tokens: int  # generated so far: the finished prompts' tokens plus the running prompts' live counts
-    total_tokens: int  # tokens + the most still to come (max_tokens of the prompts not done)
-    running: dict[str, dict]  # prompt id -> its live file (tokens, max_tokens, tokens_per_s, mean_accepted, ...)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(i.get("tokens_per_s") or 0.0 for i in self.running.values())
 
 
 class QuietView:

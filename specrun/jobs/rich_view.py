@@ -5,7 +5,7 @@ prompt (tokens/max, tok/s, accepted tokens per step, ETA), drawn from the driver
 from __future__ import annotations
 
 from specrun.jobs.printable import printable
-from specrun.jobs.progress import Snapshot
+from specrun.jobs.snapshot import Snapshot
 from specrun.jobs.status import _eta
 
 

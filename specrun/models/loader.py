@@ -1,7 +1,7 @@
 """Load a local HF causal-LM directory (or the built-in demo or smollm2) into a LoadedModel: model, tokenizer, eos ids.
 
-load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens(tokenizer, ids) -> text (skips ids the tokenizer
-lacks); output_text(tokenizer, ids, finish_reason, params) -> the text a generation returns (cut before its stop).
+load_model(path="demo", dtype, device) -> LoadedModel; decode_tokens (models/detokenize.py) re-exported;
+output_text(tokenizer, ids, finish_reason, params) -> the text a generation returns (cut before its stop).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from specrun.decoding.kernel_build import cpu_flags
+from specrun.decoding.stops import first_stop
 from specrun.models.cache import is_cached
+from specrun.models.detokenize import decode_tokens  # also imported from here (the loader's public API)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEMO = "demo"
@@ -213,18 +215,9 @@ def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
     )
 
 
-def decode_tokens(tokenizer, ids, skip_special_tokens: bool = True) -> str:
-    """Text of token ids; ids outside the tokenizer (the model's output vocab may be larger) are skipped."""
-    n = len(tokenizer)
-    kept = [int(i) for i in ids if 0 <= int(i) < n]
-    return tokenizer.decode(kept, skip_special_tokens=skip_special_tokens) if kept else ""
-
-
 def output_text(tokenizer, ids, finish_reason: str, params) -> str:
     """The text of a generation as returned (OpenAI semantics): when it finished on a stop ("stop"), without the stop
     token, or without the stop string and anything after it. token_ids keep the token that completed the stop."""
-    from specrun.decoding.stops import first_stop
-
     ids = list(ids)
     stopped = finish_reason == "stop" and bool(ids)
     if stopped and ids[-1] in params.stop_token_ids:

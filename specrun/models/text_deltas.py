@@ -4,7 +4,7 @@ string; the deltas joined equal the returned text (models/loader.output_text). U
 
 from __future__ import annotations
 
-from specrun.models.loader import decode_tokens
+from specrun.models.detokenize import decode_tokens
 
 CONTEXT = 4  # tokens decoded before the new ones, then cut off: a tokenizer may spell a token differently at a start
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from specrun.storage.fs import JobFS, ObjectPath
+from specrun.storage.jobfs import JobFS, ObjectPath
 
 OBJECT_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss")
 SETTLE_S = 2.0  # lease objects: how long a writer waits before reading its lease back

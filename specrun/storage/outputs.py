@@ -264,17 +264,3 @@ class OutputStore:
                 snap.close()
             return Scan(found, in_parts, snap.problems, damaged - set(found))
         raise OSError(f"{self.dir} kept changing during {SNAPSHOT_TRIES} attempts to read it")
-
-    # -- the driver only, under the job lock (merging.py) ---------------------------------------------------------
-    def repair(self, keymap: dict[str, str], key) -> list[str]:
-        """Before a run: make every row scan() finds readable (merging.repair)."""
-        from specrun.storage.merging import repair
-
-        return repair(self, keymap, key)
-
-    def compact(self, keymap: dict[str, str], key, part_ids=None, everything: bool = False, cancel=None,
-                fanout: int | None = None) -> Compaction:
-        """Merge the parts of `part_ids` (None: every part) and merged files of outputs/ (merging.compact)."""
-        from specrun.storage.merging import compact
-
-        return compact(self, keymap, key, part_ids, everything, cancel, fanout)

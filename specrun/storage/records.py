@@ -15,6 +15,7 @@ import json
 
 import pyarrow as pa
 
+from specrun.storage import merging
 from specrun.storage.atomic import atomic_write_json, read_json
 from specrun.storage.fs import fs_of, job_path
 from specrun.storage.names import id_key
@@ -91,11 +92,11 @@ class Records:
 
     # -- before a run (the driver, under the job lock) -------------------------------------------------------------
     def repair(self, ids: list[str]) -> Scan:
-        """Make the records agree with the readable output rows (see OutputStore.repair): markers of rows that are not
+        """Make the records agree with the readable output rows (see merging.repair): markers of rows that are not
         readable are dropped (regenerate), missing markers of parts written, markers of merged rows removed; progress
         chunks of done prompts and every live file (no run is going on) removed. Returns the scan of done rows."""
         keymap = {id_key(i): i for i in ids}
-        problems = self.store.repair(keymap, order_key({i: n for n, i in enumerate(ids)}))
+        problems = merging.repair(self.store, keymap, order_key({i: n for n, i in enumerate(ids)}))
         scan = self.store.scan(keymap)
         scan.problems[:0] = problems
         markers = self._keys(self.done, ".json")
@@ -116,9 +117,9 @@ class Records:
         return scan
 
     def compact(self, ids: list[str], part_ids=None, everything: bool = False, cancel=None) -> Compaction:
-        """OutputStore.compact over this job's prompts (`ids` in input order); merged parts lose their markers."""
-        res = self.store.compact({id_key(i): i for i in ids}, order_key({i: n for n, i in enumerate(ids)}),
-                                 part_ids, everything, cancel)
+        """merging.compact over this job's prompts (`ids` in input order); merged parts lose their markers."""
+        res = merging.compact(self.store, {id_key(i): i for i in ids}, order_key({i: n for n, i in enumerate(ids)}),
+                             part_ids, everything, cancel)
         for pid in res.merged_parts:
             self.fs.delete(self.done / f"{id_key(pid)}.json")
         return res

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import specrun.storage.rowfiles as rowfiles
+from specrun.storage.merging import compact
 from specrun.storage.outputs import MERGED, PART
 from specrun.storage.records import Records, output_row
 from tests.storage.test_storage import flip_last_page
@@ -118,7 +119,7 @@ def test_readers_never_miss_or_repeat_a_row_while_compactions_run(tmp_path, monk
                 for pid in order[k:k + 8]:
                     rec.write_output(_row(pid))
                     finished.append(pid)
-                rec.store.compact({}, lambda i: (ids.index(i), i), None, fanout=3)
+                compact(rec.store, {}, lambda i: (ids.index(i), i), None, fanout=3)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
         finally:
