@@ -233,8 +233,9 @@ class _Checkpointer:
             fn(*args)
             return True
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT) and self.disk_full is None:
-                self.disk_full = f"{e.filename or self.progress}: {e.strerror or e}"  # this generation stops
+            if what == "checkpoint" and e.errno in (errno.ENOSPC, errno.EDQUOT) and self.disk_full is None:
+                # no room for the tokens themselves: this generation stops (a stats file failing is only retried)
+                self.disk_full = f"{e.filename or self.progress}: {e.strerror or e}"
             f = self.failures.setdefault(what, [0, ""])
             f[0] += 1
             f[1] = f"{type(e).__name__}: {e}"
