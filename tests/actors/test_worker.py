@@ -87,8 +87,9 @@ def test_worker_refuses_a_model_whose_files_changed(model, tmp_path):
 
 def test_failed_checkpoint_status_and_matrix_writes_are_retried_not_fatal(model, reference, tmp_path, monkeypatch,
                                                                           caplog):
-    """Each kind of worker write raises OSError once (disk full, stale NFS handle): the prompt still finishes with
-    the same tokens, every token gets checkpointed at a later checkpoint, and the failures are reported."""
+    """Each kind of worker write raises OSError once (a stale NFS handle for the chunk: a full disk refusing the tokens
+    stops the generation instead, test_timeline; disk full for the others): the prompt still finishes with the same
+    tokens, every token gets checkpointed at a later checkpoint, and the failures are reported."""
     import specrun.actors.worker as worker_mod
 
     w = GenerationWorker(_spec(model, tmp_path, checkpoint_every=16), slot=0)
@@ -98,6 +99,8 @@ def test_failed_checkpoint_status_and_matrix_writes_are_retried_not_fatal(model,
         def f(*a, **kw):
             if name not in failed:
                 failed.add(name)
+                if name == "chunk":
+                    raise OSError(116, f"Stale file handle ({name})")
                 raise OSError(28, f"No space left on device ({name})")
             return real(*a, **kw)
         return f
@@ -113,7 +116,7 @@ def test_failed_checkpoint_status_and_matrix_writes_are_retried_not_fatal(model,
     assert len(saved) >= 120 - 16 and saved == reference[:len(saved)]  # the failed chunk's tokens came later
     assert (tmp_path / "state" / "recycling-000.safetensors").exists()
     assert w.records.read_live("p/1")["checkpointed"] >= 16
-    assert len(res["warnings"]) == 3 and all("No space left" in m for m in res["warnings"])
+    assert len(res["warnings"]) == 3 and sum("No space left" in m for m in res["warnings"]) == 2
     assert sum("retrying at the next checkpoint" in r.getMessage() for r in caplog.records) == 3
 
 
