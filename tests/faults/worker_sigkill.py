@@ -30,7 +30,8 @@ def main() -> None:
         model, prompts = setup(root, a.prompts, a.tokens)
         ref, ref_s = reference(prompts, model, root, a.tokens, a.actors)
         job, log = root / "job", root / "driver.log"
-        p = start(submit_args(prompts, model, job, a.tokens, a.actors), log)
+        # one prompt per worker: the losses are counted per prompt (a batched worker would take others down with it)
+        p = start([*submit_args(prompts, model, job, a.tokens, a.actors), "--concurrency", "1"], log)
         kills: list[dict] = []
         losses: dict[str, int] = {}
         killed_pids: set[int] = set()
