@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 
+from specrun.jobs.printable import printable
 from specrun.report.charts import Chart
 
 PNG_SIZE = (10, 4.8)  # inches, at 100 dpi
@@ -46,9 +47,9 @@ def png_bytes(chart: Chart) -> bytes:
         _bars(ax, bars, chart.barmode)
     for s in chart.series:
         if s.mode == "markers":
-            ax.scatter(s.x, s.y, marker="x", s=60, color="black", label=s.name, zorder=3)
+            ax.scatter(s.x, s.y, marker="x", s=60, color="black", label=_text(s.name), zorder=3)
         elif s.mode == "lines":
-            ax.plot(s.x, s.y, marker=".", lw=3.5 if s.bold else 1.2, label=s.name, zorder=2 if s.bold else 1)
+            ax.plot(s.x, s.y, marker=".", lw=3.5 if s.bold else 1.2, label=_text(s.name), zorder=2 if s.bold else 1)
     for x, label in chart.marks:
         ax.axvline(x, ls="--", color="firebrick")
         ax.annotate(label, (x, 1), xycoords=("data", "axes fraction"), xytext=(3, -12), textcoords="offset points",
@@ -64,6 +65,12 @@ def png_bytes(chart: Chart) -> bytes:
     return buf.getvalue()
 
 
+def _text(name) -> str:
+    """A prompt id as matplotlib draws it literally: control characters escaped, `$` not starting mathtext (an id
+    such as `$\\frac{` made savefig raise)."""
+    return printable(name).replace("$", r"\$")
+
+
 def _bars(ax, bars, barmode: str | None) -> None:
     """Categories on x (every bar series shares them), stacked or side by side."""
     labels = bars[0].x
@@ -73,9 +80,9 @@ def _bars(ax, bars, barmode: str | None) -> None:
     for k, s in enumerate(bars):
         y = [math.nan if v is None else v for v in s.y]
         if barmode == "group":
-            ax.bar([i - 0.4 + (k + 0.5) * width for i in at], y, width, label=s.name)
+            ax.bar([i - 0.4 + (k + 0.5) * width for i in at], y, width, label=_text(s.name))
         else:
-            ax.bar(list(at), y, width, bottom=bottom, label=s.name)
+            ax.bar(list(at), y, width, bottom=bottom, label=_text(s.name))
             bottom = [b + (0.0 if math.isnan(v) else v) for b, v in zip(bottom, y)]
-    ax.set_xticks(list(at), [str(x)[:24] for x in labels], rotation=30 if len(labels) > 4 else 0, ha="right"
+    ax.set_xticks(list(at), [_text(str(x)[:24]) for x in labels], rotation=30 if len(labels) > 4 else 0, ha="right"
                   if len(labels) > 4 else "center", fontsize=8)

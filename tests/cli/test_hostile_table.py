@@ -53,7 +53,8 @@ def place(tmp_path_factory, tiny_models):
     p["text"] = d / "corpus.txt"
     p["text"].write_text("tiny corpus " * 50)
     p["prompts"] = d / "prompts.jsonl"
-    p["prompts"].write_text(json.dumps({"id": "[/bold]\x1b[2J", "prompt": "hi"}) + "\n")
+    p["prompts"].write_text(json.dumps({"id": "[/bold]\x1b[2J", "prompt": "hi"}) + "\n"
+                            + json.dumps({"id": "$\\frac{$", "prompt": "ho"}) + "\n")  # matplotlib mathtext
     p["model"] = Path(tiny_models["llama_mha"])
     return p
 

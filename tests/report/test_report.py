@@ -177,3 +177,15 @@ def test_the_page_renders_in_headless_chromium_with_every_chart_drawn(job, tmp_p
         assert driver.save_screenshot(str(tmp_path / "report.png")) and (tmp_path / "report.png").stat().st_size
     finally:
         driver.quit()
+
+
+@pytest.mark.parametrize("mode", ["lines", "markers", "bars"])
+def test_prompt_ids_are_drawn_literally_in_the_pngs(mode):
+    """An id is data: `$...$` is not matplotlib mathtext (`$\\frac{$` made savefig raise), ESC is not sent raw."""
+    pytest.importorskip("matplotlib")
+    from specrun.report.charts import Chart, Series
+    from specrun.report.figures import png_bytes
+
+    ids = ["$\\frac{$", "a\x1b[2Jb", "[/bold]"]
+    series = [Series(i, ["x", "y"] if mode == "bars" else [1, 2], [1.0, 2.0], mode=mode) for i in ids]
+    assert png_bytes(Chart("k", "t", "x", "y", series, barmode="group" if mode == "bars" else None)).startswith(b"\x89PNG")
