@@ -13,17 +13,16 @@ import sys
 import time
 from pathlib import Path
 
+from specrun.storage.lock import proc_stat
+
 POLL_S = 1.0
 GRACE_S = 3.0  # between SIGTERM and SIGKILL
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
     """(parent pid, start time in ticks) of a live process; None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else (int(fields[1]), fields[19])
+    fields = proc_stat(pid)
+    return None if not fields or fields[0] == "Z" or len(fields) < 20 else (int(fields[1]), fields[19])
 
 
 def _is_ray(pid: int) -> bool:

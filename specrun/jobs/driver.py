@@ -39,7 +39,6 @@ from specrun.storage.records import output_row
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 REFRESH_S = 0.5  # the display (and the live files it reads) is refreshed at most this often
-SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
 
 def run_job(job: JobDir, opts: RunOptions, view=None) -> RunSummary:
     """Run every prompt that is not done yet (failed ones are retried); the caller holds nothing, we take the lock.
@@ -168,18 +167,6 @@ class _Driver(_Slots):
             if started:
                 ray.shutdown()
 
-    def _save_worker_state(self) -> None:
-        """At the end of a run, the (idle) workers write their recycling matrix once more: they snapshot it only
-        every WorkerSpec.snapshot_seconds. Best-effort, within SAVE_STATE_TIMEOUT_S."""
-        import ray
-
-        refs = [self.workers[slot].save_state.remote() for slot in self.idle if slot in self.workers]
-        if refs:
-            try:
-                ray.wait(refs, num_returns=len(refs), timeout=SAVE_STATE_TIMEOUT_S)
-            except Exception:
-                pass
-
     def _loop(self, queue: deque, intr: _Interrupts) -> None:
         import ray
 
@@ -230,7 +217,8 @@ class _Driver(_Slots):
             self._refresh(inflight)
         self._refresh(inflight, force=True)
         self.summary.interrupted = stopping and bool(queue or self.summary.stopped)
-        self._report(queue)
+        for warn, line in self.summary.closing(self.job.root, len(queue), self.stop_timed_out):
+            (self.display.warn if warn else self.display.log)(line)
 
     def _dispatch(self, queue: deque, inflight: dict, stopping: bool) -> None:
         while self.idle and queue and not stopping:
@@ -299,21 +287,3 @@ class _Driver(_Slots):
         self.display.update(Snapshot(len(self.prompts), done, self.done_tokens + sum(i.get("tokens", 0)
                                                                                for i in live.values()),
                                      self.done_tokens + self.tokens_left, live))
-
-    def _report(self, queue: deque) -> None:
-        s = self.summary
-        self.display.log(f"{len(s.done)} prompt(s) finished, {len(s.failed)} failed"
-                         + (f", {len(s.stopped) + len(queue)} left" if s.interrupted else ""))
-        if s.disk_full:
-            self.display.warn(f"stopped: the disk holding the job is full ({s.disk_full}); "
-                              f"{len(s.stopped) + len(queue)} prompt(s) left, their checkpointed tokens kept. Free "
-                              f"some space, then: specrun resume {self.job.root}")
-        elif s.interrupted:
-            kept = "checkpointed tokens are kept" if self.stop_timed_out else "every generated token is checkpointed"
-            self.display.warn(f"stopped; {kept}. Resume with: specrun resume {self.job.root}")
-        if not s.interrupted and not s.failed:
-            self.display.log(f"outputs: {self.job.root}/outputs; read them with: specrun export {self.job.root} "
-                             f"--format jsonl")
-        if s.failed:
-            self.display.warn(f"{len(s.failed)} prompt(s) failed; see `specrun status {self.job.root}`; "
-                              f"`specrun resume {self.job.root}` retries them")

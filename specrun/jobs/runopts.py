@@ -58,6 +58,24 @@ class RunSummary:
     stop_signal: int | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
     disk_full: str | None = None  # the first write refused for lack of space: the run stopped there
 
+    def closing(self, root, queued: int, stop_timed_out: bool) -> list[tuple[bool, str]]:
+        """What the run says as it ends, as (is a warning, line); `queued`: prompts never started."""
+        left = len(self.stopped) + queued
+        out = [(False, f"{len(self.done)} prompt(s) finished, {len(self.failed)} failed"
+                + (f", {left} left" if self.interrupted else ""))]
+        if self.disk_full:
+            out.append((True, (f"stopped: the disk holding the job is full ({self.disk_full}); {left} prompt(s) "
+                               f"left, their checkpointed tokens kept. Free some space, then: specrun resume {root}")))
+        elif self.interrupted:
+            kept = "checkpointed tokens are kept" if stop_timed_out else "every generated token is checkpointed"
+            out.append((True, f"stopped; {kept}. Resume with: specrun resume {root}"))
+        if not self.interrupted and not self.failed:
+            out.append((False, f"outputs: {root}/outputs; read them with: specrun export {root} --format jsonl"))
+        if self.failed:
+            out.append((True, (f"{len(self.failed)} prompt(s) failed; see `specrun status {root}`; "
+                               f"`specrun resume {root}` retries them")))
+        return out
+
     @property
     def exit_code(self) -> int:
         if self.failed or self.disk_full:

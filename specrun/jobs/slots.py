@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from specrun.jobs.jobdir import JobError
 
+SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save their recycling matrix
+
 
 @dataclass
 class _Start:
@@ -102,6 +104,18 @@ class _Slots:
                 self.display.warn(f"prompt {pid!r}: worker lost ({type(e).__name__}"
                                   f"{f'; its {node} died' if node else ''}); retrying from its last checkpoint")
             queue.appendleft(self.prompts[pid])
+
+    def _save_worker_state(self) -> None:
+        """At the end of a run, the (idle) workers write their recycling matrix once more: they snapshot it only
+        every WorkerSpec.snapshot_seconds. Best-effort, within SAVE_STATE_TIMEOUT_S."""
+        import ray
+
+        refs = [self.workers[slot].save_state.remote() for slot in self.idle if slot in self.workers]
+        if refs:
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=SAVE_STATE_TIMEOUT_S)
+            except Exception:
+                pass
 
     def _no_worker_error(self) -> JobError:
         by_why: dict[tuple[str, str], list[int]] = {}

@@ -61,7 +61,7 @@ def _boot_id() -> str | None:
         return None
 
 
-def _proc_stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -69,7 +69,7 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def _pid_start(pid: int) -> str | None:
-    st = _proc_stat(pid)
+    st = proc_stat(pid)
     return st[19] if st and len(st) > 19 else None  # field 22: start time in clock ticks since boot
 
 
@@ -119,7 +119,7 @@ def is_stale(info: dict | None, mtime: float | None, now: float | None = None) -
         return True
     except PermissionError:
         pass
-    st = _proc_stat(pid)
+    st = proc_stat(pid)
     if st and st[0] == "Z":
         return True
     return bool(info.get("pid_start") and st and _pid_start(pid) != info["pid_start"])  # pid reused
