@@ -101,7 +101,7 @@ class _Layer:
                    att.scaling)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """# x: [T, Hx, D], cos/sin: [T, 1, D] -> [T, Hx, D] (rotate-half convention, as HF)"""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -167,7 +167,7 @@ class FusedDecoder:
             v = qkv[:, (nq + nkv) * D :].view(T, nkv, D)
             if L.q_norm is not None:
                 qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
-            qk = _rope(qk, cos, sin)  # q and k heads in one pass: elementwise, so the same values as two
+            qk = apply_rope(qk, cos, sin)  # q and k heads in one pass: elementwise, so the same values as two
             q, k = qk[:, :nq], qk[:, nq:]
             out = ctx.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                              L.scaling)  # [1, T, Hq, D]

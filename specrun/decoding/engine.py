@@ -81,8 +81,8 @@ class EngineConfig:
                          and (have_drafter or n not in NEEDS_DRAFTER) and (can_quantize or n not in NEEDS_QUANT))
         for name in self.drafters:
             if name in NEEDS_QUANT and not can_quantize:
-                raise ValueError(f"drafter {name!r} runs the model's 4-bit copy on our CPU kernels: it needs a "
-                                 f"bfloat16 model on a CPU with AVX-512 BF16 and one sequence at a time per worker")
+                raise ValueError(f"drafter {name!r} runs the model's 4-bit copy: it needs a model on the CPU whose "
+                                 f"linear layers take inputs in groups of 32, and one sequence at a time per worker")
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
             if name in NEEDS_DRAFTER and not have_drafter:

@@ -1,9 +1,8 @@
 """The quantized self-drafter: the target itself, its weights in 4 bits (quant.py), drafts a chain of AR's own choices
 (its sampling rules, penalty and Gumbel noise at each position) over the target's KV cache, one token a forward.
 
-Its drafted tokens' K/V go in the slots after the committed ones, where the verify forward then writes its own: the
-draft attends an int8 copy of the target's K/V of every committed token (KVCodes, synced a step's new slots at a time;
-verification decides, I1).
+Its drafted tokens' K/V go in the slots after the committed ones, where the verify forward then writes its own
+(verification decides, I1). The forward runs on our C kernels (KernelForward) or torch's (quant_torch.Int4Forward).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from specrun.decoding.cpu_layers import CpuLayers
 from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.ngram import SuffixCopy
 from specrun.decoding.quant import quantizable, quantize
+from specrun.decoding.quant_torch import Int4Forward
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams, ar_choice
 from specrun.decoding.trie import Draft, DraftContext
@@ -30,16 +30,65 @@ GUMBEL_SPAN = 12.0  # no min-p: tokens this far (x temperature) below the best a
 MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner picks the width below this)
 
 
-def quantized(decoder) -> tuple[CpuLayers, torch.Tensor] | None:
-    """The 4-bit layers and LM head (quantize's packs) of a FusedDecoder, built once per decoder, where the quantized
-    self-drafter runs (a CPU bf16 model our kernels take, its LM head's inputs in groups of 32); else None."""
-    if not hasattr(decoder, "_specrun_q4"):
+class KernelForward:
+    """The 4-bit layers and LM head on our C kernels (AVX-512 BF16 CPUs, a bf16 model): the draft attends an int8
+    copy of the target's K/V of every committed token (KVCodes, synced a step's new slots at a time). Int4Forward
+    (quant_torch.py) keeps the same contract on torch's kernels."""
+
+    def __init__(self, decoder, layers: CpuLayers, head: torch.Tensor):
+        self.dec, self.layers, self.head = decoder, layers, head
+        # the embedding's rows as they are (a plain nn.Embedding), and the final norm in one kernel call: a draft's
+        # torch modules cost ~0.2 ms of its ~6
+        self.embed_rows = decoder.embed.weight if type(decoder.embed) is torch.nn.Embedding else None
+        self.norm_weight, self.norm_eps = decoder.norm.weight, float(decoder.norm.variance_epsilon)
+        self.rows = decoder.lm_head.weight  # [V, H] bf16: rescore's
+        # the draft's attention reads int8 K/V: half the bytes of bf16, 4 products an instruction (smollm2, 30 layers
+        # at 2,048 keys: 2.8 ms against 6.3 for a bf16 attention split as this one; sampled, 5.24 tokens a width-6
+        # step against 5.51 with bf16 K/V, for 5.0 ms a draft against 6.4)
+        self.codes: KVCodes | None = None
+        self.cache = None
+        self.cos = self.sin = None  # [k, D] of the draft's positions
+
+    @classmethod
+    def of(cls, decoder) -> KernelForward | None:
+        """Where our kernels take the model (a CPU bf16 model, its LM head's inputs in groups of 32); else None."""
         head = decoder.lm_head.weight  # [V, H]
-        layers = None
         rows = head.device.type == "cpu" and head.dtype == torch.bfloat16 and head.is_contiguous()  # rescore's
-        if rows and quantizable(head):
-            layers = CpuLayers.quantized(decoder, cpu_kernels())
-        decoder._specrun_q4 = None if layers is None else (layers, quantize(head)[0])
+        layers = CpuLayers.quantized(decoder, cpu_kernels()) if rows and quantizable(head) else None
+        return None if layers is None else cls(decoder, layers, quantize(head)[0])
+
+    def begin(self, cache, position: int, k: int) -> None:
+        """A draft of k tokens from the root at `position` over cache."""
+        L, Hkv, cap, D = cache.k.shape
+        if self.codes is None or self.codes.cap < cap or self.codes.data.shape[0] != L:
+            self.codes = KVCodes(L, Hkv, cap, D)  # a new one where the runner replaced its cache
+        self.codes.sync(self.layers.kernels, cache.k, cache.v, cache.length)
+        self.cache = cache
+        like = self.head.new_empty((1, 1, self.dec.head_dim), dtype=torch.bfloat16)
+        cos, sin = self.dec.rotary(like, torch.arange(position, position + k)[None])  # [1, k, D] each
+        self.cos, self.sin = cos[0], sin[0]
+
+    def start(self) -> None:
+        if self.codes is not None:
+            self.codes.upto = 0  # a new sequence: its cache is refilled from slot 0
+
+    def logits(self, i: int, token: int, counts: torch.Tensor | None, theta: float, below: float) -> torch.Tensor:
+        """# counts: [V] int32 or None -> [1, V] float32, the draft's logits after the i-th token (-inf outside the
+        candidates)"""
+        kernels = self.layers.kernels
+        x = self.dec.embed(torch.tensor([token])) if self.embed_rows is None else self.embed_rows[token : token + 1]
+        h = self.layers(x, self.cos[i : i + 1], self.sin[i : i + 1], self.cache, self.cache.length + i, None,
+                        q8=self.codes)  # [1, H]
+        h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
+        coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [1, V]
+        return kernels.rescore(coarse, counts, h, self.rows, theta, below)[0]
+
+
+def quantized(decoder) -> KernelForward | Int4Forward | None:
+    """The 4-bit draft forward of a FusedDecoder, built once per decoder: our kernels where they take it, else torch's
+    int4 kernels (any CPU); None where neither does."""
+    if not hasattr(decoder, "_specrun_q4"):
+        decoder._specrun_q4 = KernelForward.of(decoder) or Int4Forward.of(decoder)
     return decoder._specrun_q4
 
 
@@ -56,24 +105,14 @@ def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingPara
 class QuantDrafter:
     name = "quant"
 
-    def __init__(self, runner: ModelRunner, weights: tuple[CpuLayers, torch.Tensor]):
+    def __init__(self, runner: ModelRunner, forward: KernelForward | Int4Forward):
         self.runner = runner
-        self.layers, self.head = weights
-        dec = runner.decoder
-        # the embedding's rows as they are (a plain nn.Embedding), and the final norm in one kernel call: a draft's
-        # torch modules cost ~0.2 ms of its ~6
-        self.embed_rows = dec.embed.weight if type(dec.embed) is torch.nn.Embedding else None
-        self.norm_weight, self.norm_eps = dec.norm.weight, float(dec.norm.variance_epsilon)
-        self.rows = dec.lm_head.weight  # [V, H] bf16: rescore's
+        self.forward = forward
         self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
-        # the draft's attention reads int8 K/V: half the bytes of bf16, 4 products an instruction (smollm2, 30 layers
-        # at 2,048 keys: 2.8 ms against 6.3 for a bf16 attention split as this one; sampled, 5.24 tokens a width-6
-        # step against 5.51 with bf16 K/V, for 5.0 ms a draft against 6.4)
-        self.codes: KVCodes | None = None
 
     def start(self, seq: list[int]) -> None:
-        if self.codes is not None:
-            self.codes.upto = 0  # a new sequence: its cache is refilled from slot 0
+        if isinstance(self.forward, KernelForward):
+            self.forward.start()
 
     def observe(self, v) -> None:
         pass
@@ -86,44 +125,23 @@ class QuantDrafter:
         """The root and up to budget - 1 (at most MAX_CHAIN) tokens after it, each AR's pick under the 4-bit model;
         the penalty window is the committed one plus the drafted tokens (a token leaving it is not tracked)."""
         k = min(ctx.budget - 1, MAX_CHAIN)
-        dec, cache, params = self.runner.decoder, self.runner.cache, ctx.params
+        params = ctx.params
         if k < 1 or (params.greedy and self.copy is not None and self.copy.follow(1)):
             # greedy, and the last 3 tokens occurred before: the n-gram copy drafts the whole width at no forward's
             # cost (smollm2, 2,048 tokens: 3.45x AR so, 1.39x with this chain leading). Sampled text rarely repeats
             # what its 3-gram matches say, and steps that skip the chain made wide widths look cheap to the tuner
             return []
         counts = None if ctx.present is None or not params.uses_penalty else ctx.present.to(torch.int32)
-        tokens, kernels = [ctx.root], self.layers.kernels
         theta = params.penalty if counts is not None else 1.0
         below = HEAD_MARGIN + (0.0 if params.greedy else params.temperature * (
             -math.log(params.min_p) if params.min_p > 0 else GUMBEL_SPAN))
-        codes = self._codes(cache)
-        x = self._embed(ctx.root)  # [1, H]
-        cos, sin = dec.rotary(x[None], torch.arange(ctx.position, ctx.position + k)[None])  # [1, k, D] each
+        self.forward.begin(self.runner.cache, ctx.position, k)
+        tokens = [ctx.root]
         tally = None if counts is None else counts.numpy()  # counts' memory: a tensor op a token cost ~15 us
-        for i, (cos_i, sin_i) in enumerate(zip(cos[0].split(1), sin[0].split(1))):  # [1, D] each
-            if i:
-                x = self._embed(tokens[-1])
-            h = self.layers(x, cos_i, sin_i, cache, cache.length + i, None, q8=codes)  # [1, H]
-            h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
-            coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [1, V]
-            logits, _ = kernels.rescore(coarse, counts, h, self.rows, theta, below)  # [1, V]
+        for i in range(k):
+            logits = self.forward.logits(i, tokens[-1], counts, theta, below)  # [1, V]
             token = pick(logits, counts, params, ctx.position + i + 1)
             tokens.append(token)
             if tally is not None:
                 tally[token] += 1
         return [Draft(tokens, list(range(-1, k)), source)]
-
-    def _codes(self, cache) -> KVCodes:
-        """The int8 copy of cache's committed slots (a new one where the runner replaced its cache)."""
-        L, Hkv, cap, D = cache.k.shape
-        if self.codes is None or self.codes.cap < cap or self.codes.data.shape[0] != L:
-            self.codes = KVCodes(L, Hkv, cap, D)
-        self.codes.sync(self.layers.kernels, cache.k, cache.v, cache.length)
-        return self.codes
-
-    def _embed(self, token: int) -> torch.Tensor:
-        """# -> [1, H]"""
-        if self.embed_rows is None:
-            return self.runner.decoder.embed(torch.tensor([token]))
-        return self.embed_rows[token : token + 1]

@@ -1,0 +1,164 @@
+"""The quantized self-draft's forward on torch's own int4 kernels, for CPUs our C kernels do not take: the target's
+linear weights on quant.py's 4-bit grid, bf16 activations, attention over the target's KV cache (sinks + a window).
+
+Int4Forward.of(decoder) is None where torch's kernels do not take the model; else begin(cache, position, k) once a
+draft, then logits(i, token, counts, theta, below) per drafted token, the contract of quant_draft.KernelForward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specrun.decoding.attention import attend_lse, merge_states
+from specrun.decoding.decoder import apply_rope
+from specrun.decoding.quant import GROUP, grid, quantizable
+
+# the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
+# token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV)
+SINKS = 4
+WINDOW = 1024
+BF16 = torch.bfloat16
+
+
+class Int4Linear:
+    """y = x W^T (+ b) with W on quant.py's grid, packed for torch's CPU int4 kernel (bf16 activations)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.n = weight.shape[0]
+        padded = weight.new_zeros((-(-self.n // 16) * 16, weight.shape[1]))  # the kernel packs rows 16 at a time
+        padded[: self.n] = weight.detach()
+        q, d, low = grid(padded)  # [N', K] codes, [N', G] float16 scale and minimum
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        d32 = d.float()
+        # torch's kernel reads w = (q - 8) * scale + zero: zero = m + 8 d
+        self.scales = torch.stack((d32, low.float() + 8 * d32), dim=-1).transpose(0, 1).to(BF16).contiguous()  # [G, N, 2]
+        self.bias = None if bias is None else bias.detach().to(BF16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """# x: [T, K] bf16 -> [T, N] bf16"""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        y = y if y.shape[-1] == self.n else y[:, : self.n]
+        return y if self.bias is None else y + self.bias
+
+
+class _Norm:
+    """RMSNorm in bf16 (torch's fused op: a draft's values need only be close to the model's)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.weight, self.eps = module.weight.detach().to(BF16), float(module.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@dataclass
+class _Layer:
+    ln1: _Norm
+    ln2: _Norm
+    qkv: Int4Linear
+    o: Int4Linear
+    gate_up: Int4Linear
+    down: Int4Linear
+    act: torch.nn.Module
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    scaling: float
+
+
+def rescore(coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor, theta: float,
+            below: float) -> torch.Tensor:
+    """h's logits by the model's own head rows for the tokens whose penalised coarse logit (theta on the tokens
+    counted) is at least the best one less `below`, -inf for the rest (cpu_kernels.c rescore_bf16's rule).
+
+    # coarse: [1, V] float32, counts: [V] int32 or None, h: [1, H], rows: [V, H] -> [1, V] float32
+    """
+    c = coarse[0]
+    if counts is not None and theta != 1.0:
+        c = torch.where(counts > 0, torch.where(c > 0, c / theta, c * theta), c)
+    keep = (c >= c.max() - below).nonzero()[:, 0]  # [C]
+    out = torch.full_like(coarse, float("-inf"))
+    out[0, keep] = (rows[keep] @ h[0].to(rows.dtype)).float()
+    return out
+
+
+class Int4Forward:
+    """One drafted token at a time through the int4 copy; its K/V land in the target's cache after the committed
+    slots (scratch the verify overwrites)."""
+
+    @classmethod
+    def of(cls, dec) -> Int4Forward | None:
+        weights = [w for L in dec.layers for w in (L.qkv.weight, L.o.weight, L.gate_up.weight, L.down.weight)]
+        head = dec.lm_head.weight
+        takes = head.device.type == "cpu" and all(quantizable(w) for w in (*weights, head)) \
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        if not takes:
+            return None
+        try:
+            return cls(dec)
+        except RuntimeError:  # an older torch whose int4 kernel refuses these shapes: no portable draft
+            return None
+
+    def __init__(self, dec):
+        self.dec = dec
+        self.layers = [_Layer(_Norm(L.ln1), _Norm(L.ln2), Int4Linear(L.qkv.weight, L.qkv.bias), Int4Linear(L.o.weight),
+                              Int4Linear(L.gate_up.weight), Int4Linear(L.down.weight), L.act,
+                              None if L.q_norm is None else _Norm(L.q_norm), None if L.k_norm is None else _Norm(L.k_norm),
+                              L.scaling) for L in dec.layers]
+        self.norm = _Norm(dec.norm)
+        self.head = Int4Linear(dec.lm_head.weight)
+        self.rows = dec.lm_head.weight  # [V, H]: rescore's
+        self.cache = None
+        self.cos = self.sin = None  # [k, 1, D] bf16 of the draft's positions
+
+    def begin(self, cache, position: int, k: int) -> None:
+        """A draft of k tokens from the root at `position` over cache."""
+        self.cache = cache
+        like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16)
+        cos, sin = self.dec.rotary(like, torch.arange(position, position + k)[None])  # [1, k, D] each
+        self.cos, self.sin = cos[0, :, None, :].to(BF16), sin[0, :, None, :].to(BF16)
+
+    @torch.inference_mode()
+    def logits(self, i: int, token: int, counts: torch.Tensor | None, theta: float, below: float) -> torch.Tensor:
+        """The draft's rescored logits after `token`, the i-th token of the draft (i = 0: the root).
+
+        # counts: [V] int32 or None -> [1, V] float32 (-inf outside the candidates)
+        """
+        dec, cache = self.dec, self.cache
+        nq, nkv, D = dec.n_q, dec.n_kv, dec.head_dim
+        slot = cache.length + i
+        x = dec.embed(torch.tensor([token])).to(BF16)  # [1, H]
+        cos, sin = self.cos[i : i + 1], self.sin[i : i + 1]
+        for j, L in enumerate(self.layers):
+            qkv = L.qkv(L.ln1(x))  # [1, (nq + 2 nkv) D]
+            qk = qkv[:, : (nq + nkv) * D].view(1, nq + nkv, D)
+            v = qkv[:, (nq + nkv) * D :].view(nkv, D)
+            if L.q_norm is not None:
+                qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
+            qk = apply_rope(qk, cos, sin)
+            cache.k[j, :, slot] = qk[0, nq:]
+            cache.v[j, :, slot] = v
+            out = self._attend(j, qk[0, :nq], slot + 1, L.scaling)  # [nq, D]
+            x = x + L.o(out.reshape(1, nq * D))
+            gu = L.gate_up(L.ln2(x))  # [1, 2I]
+            x = x + L.down(L.act(gu[:, : dec.inter]) * gu[:, dec.inter :])
+        h = self.norm(x)
+        return rescore(self.head(h).float(), counts, h, self.rows, theta, below)
+
+    def _attend(self, layer: int, q: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
+        """q over slots [0, SINKS) and the last WINDOW of [0, n) (all of them while n <= SINKS + WINDOW).
+
+        # q: [Hq, D] bf16 -> [Hq, D] bf16
+        """
+        ck, cv = self.cache.k[layer], self.cache.v[layer]  # [Hkv, S, D]
+        Hkv, D = ck.shape[0], ck.shape[2]
+        qg = q.reshape(Hkv, -1, D).to(ck.dtype)  # query head h = kv_head * G + g
+        if n <= SINKS + WINDOW:
+            o = F.scaled_dot_product_attention(qg[None], ck[None, :, :n], cv[None, :, :n], scale=scaling)[0]
+        else:
+            o1, lse1 = attend_lse(qg, ck[:, :SINKS], cv[:, :SINKS], scaling)
+            o2, lse2 = attend_lse(qg, ck[:, n - WINDOW : n], cv[:, n - WINDOW : n], scaling)
+            o, _ = merge_states(o1, lse1, o2, lse2)
+        return o.reshape(-1, D).to(BF16)
