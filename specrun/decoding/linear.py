@@ -1,11 +1,12 @@
-"""Linear layers of the decode step: on CPU in bf16/fp16 the weight is reordered once into oneDNN's blocked layout.
+"""Linear layers of the decode step: on CPU the weight is reordered once into oneDNN's blocked layout.
 
-F.linear runs the same oneDNN kernel there but reorders the weight at every call: prepacked, 1-16 rows run 1.4-3x
-faster with the same results. On CPUs with AVX-512 BF16 our own kernel (cpu_kernels.c, its own packed copy) runs every
-width in bf16 and float32: a row's result does not depend on the others, and 1-8 rows cost about what 1 row does (bf16:
-1-2 rows read the weights ~1.4x faster than oneDNN; float32: 3-6x faster than F.linear on smollm2's shapes, whose
-summation order it does not share, so float32 logits equal HF's only to rounding). Elsewhere (float64, fp16 without
-oneDNN, CUDA) it is plain F.linear."""
+F.linear runs oneDNN (bf16) or MKL (float32) and, in bf16, reorders the weight at every call: prepacked, 1-16 rows run
+1.4-3x faster. In float32 the prepacked product also computes each row alone (a row's result does not depend on how
+many rows the call carries, which F.linear's does not keep on AVX2 CPUs), so a verify of many rows gives a token the
+logits of its AR step; on smollm2's shapes (2 threads, AVX2) 1 row runs ~1.3x and 4-8 rows ~2x faster than F.linear.
+On CPUs with AVX-512 BF16 our own kernel (cpu_kernels.c, its own packed copy) runs every width in bf16 and float32.
+Float32 results equal F.linear's only to rounding on both paths. Elsewhere (float64, no oneDNN, CUDA) it is F.linear.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from specrun.decoding.cpu_kernels import CpuKernels, cpu_kernels
 
-_PACKED_DTYPES = (torch.bfloat16, torch.float16)
+_PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -22,7 +23,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return None
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
-    check = getattr(torch.ops.mkldnn, supported[weight.dtype], None)
+    check = getattr(torch.ops.mkldnn, supported[weight.dtype], None) if weight.dtype in supported else lambda: True
     try:
         if check is None or not check():
             return None

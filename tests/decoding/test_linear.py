@@ -23,15 +23,29 @@ def test_bf16_matches_f_linear(shape, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-2, atol=1e-2)
 
 
-def test_float32_is_our_kernel_where_it_runs_else_plain_f_linear():
-    w, x = torch.randn(32, 16), torch.randn(5, 16)
-    lin = Linear(w)
-    if cpu_kernels() is None:
-        assert not lin.packed and torch.equal(lin(x), F.linear(x, w))
-    else:  # its own summation order: F.linear's result within float32 rounding, the same for a row whatever runs beside it
-        assert lin.packed and torch.equal(lin(x[2:3]), lin(x)[2:3])
-        torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-6, atol=1e-6)
-    assert torch.equal(Linear(w.double())(x.double()), F.linear(x.double(), w.double()))  # float64: always F.linear
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(32, 16), (259, 128), (3072, 576)])
+def test_float32_rows_do_not_depend_on_the_rows_beside_them(n, k, bias):
+    """Float32 runs our kernel where it runs, else oneDNN's prepacked product (else plain F.linear): F.linear's result
+    within rounding, and where packed each row's result is the one it gets alone, whatever the number of rows (a
+    verify forward's token then gets its AR step's logits: drafting reproduces AR decoding exactly)."""
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(40, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    lin = Linear(w, b)
+    if cpu_kernels() is None and not torch.backends.mkldnn.is_available():
+        assert not lin.packed and torch.equal(lin(x), F.linear(x, w, b))
+        return
+    assert lin.packed
+    alone = torch.cat([lin(x[r : r + 1]) for r in range(40)])
+    for rows in (*range(2, 18), 32, 40):
+        assert torch.equal(lin(x[:rows]), alone[:rows]), rows
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_float64_is_plain_f_linear():
+    w, x = torch.randn(32, 16).double(), torch.randn(5, 16).double()
+    assert torch.equal(Linear(w)(x), F.linear(x, w))
 
 
 def test_of_module_keeps_weight_and_bias():
