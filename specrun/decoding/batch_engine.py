@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.budget import BudgetTuner
-from specrun.decoding.drafters import MERGE_PRIORITY, NOISE_COUPLED, Drafter, Verified
+from specrun.decoding.drafters import MERGE_PRIORITY, NOISE_COUPLED, Drafter, NGramDrafter, Verified
 from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter, resolve_drafting
 from specrun.decoding.heads import DraftHeads
 from specrun.decoding.paged_attention import check_paged_backend
 from specrun.decoding.paged_kv import SeqPages
 from specrun.decoding.paged_runner import PagedRunner
+from specrun.decoding.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, draft_batch as quant_batch
+from specrun.decoding.quant_draft import quantized_rows
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
@@ -53,6 +55,7 @@ class _Active:
     drafters: list[Drafter]
     stats: GenStats
     heads: BatchedSelfDrafter | None = None  # its self-drafter, which the batch's draft forward feeds
+    quant: BatchedQuantDrafter | None = None  # its 4-bit self-drafter, fed by the batch's 4-bit forwards
     trie: Trie | None = None  # this step's
     shadow: Shadow | None = None  # its full-width trie drafted at a narrower step, for the tuner
     done: str | None = None  # finish reason once finished (or "stopped" by the caller)
@@ -61,7 +64,7 @@ class _Active:
 class BatchEngine:
     def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
                  heads: DraftHeads | None = None):
-        heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo=False)
+        heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo=False, whole_pages=batch.page_size > 1)
         self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
@@ -72,6 +75,7 @@ class BatchEngine:
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
+        self.quant = quantized_rows(self.runner.decoder) if "quant" in names else None
         self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
@@ -87,14 +91,19 @@ class BatchEngine:
         pages = self.runner.pool.admit(st.capacity)
         if pages is None:
             return False
-        drafters = [make_drafter(n, self.config, self.heads, self.runner.lm_head, self.recycling,
+        drafters = [BatchedQuantDrafter() if n == "quant" else
+                    make_drafter(n, self.config, self.heads, self.runner.lm_head, self.recycling,
                                  lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv), self.recurrent)
                     for n in self.names]
+        quant = next((d for d in drafters if isinstance(d, BatchedQuantDrafter)), None)
+        ngram = next((d for d in drafters if isinstance(d, NGramDrafter)), None)
+        if quant is not None and ngram is not None and ngram.topk:
+            quant.copy = ngram.copy  # where the copy drafts, it leads
         known = st.known
         for d in drafters:
             d.start(known)
         a = _Active(key, st, pages, drafters, GenStats(tuple(self.names)),
-                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None),
+                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None), quant,
                     shadow=Shadow() if self._shadowing else None)
         if not st.finished():
             with a.stats.time("prefill"):
@@ -117,6 +126,8 @@ class BatchEngine:
             drafting = [a for a in live if a.heads is not None] if budget > 1 else []
             if drafting:  # one self-draft forward for all: each root over its own partial cache
                 draft_batch(self.runner, self.heads, [(a.pages, a.heads, a.st.root, a.st.n - 1) for a in drafting])
+            if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
+                quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
             full = self.config.trie_budget
             for a in live:
                 shadowing = a.shadow is not None and budget < full and a.shadow.due()  # what a full trie would accept
@@ -173,9 +184,20 @@ class BatchEngine:
     def _tuner(self, n: int) -> BudgetTuner | None:
         if not self.names or not self.config.adaptive_budget:
             return None
-        if n not in self._tuners:
-            self._tuners[n] = BudgetTuner(self.config.trie_budget)
+        if n not in self._tuners:  # the 4-bit chain's tuner as the solo engine's (a forward a drafted token)
+            chain = self.quant is not None
+            self._tuners[n] = BudgetTuner(self.config.trie_budget, narrow_bounds=not chain,
+                                          chain=MAX_CHAIN + 1 if chain else 0)
         return self._tuners[n]
+
+    def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, BatchedQuantDrafter, object] | None:
+        """What the 4-bit forward needs of a sequence that drafts with it this step: its page's K/V (one page a
+        sequence: the CPU's layout), its drafter, its context; None if it does not."""
+        view = a.pages.page_view() if a.quant is not None else None
+        ctx = a.st.draft_context(budget, True) if view is not None else None
+        if ctx is None or not a.quant.wants(ctx):
+            return None
+        return KVView(*view, a.pages.length), a.quant, ctx
 
     def _draft(self, a: _Active, budget: int) -> list:
         if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted

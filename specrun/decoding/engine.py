@@ -20,7 +20,7 @@ from specrun.decoding.drafters import (
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.heads import DraftHeads, load_heads
 from specrun.decoding.partial_kv import PartialKV
-from specrun.decoding.quant_draft import MAX_CHAIN, QuantDrafter, quantized
+from specrun.decoding.quant_draft import MAX_CHAIN, QuantDrafter, quantized, quantized_rows
 from specrun.decoding.recurrent import DraftWeights, RecurrentDrafter
 from specrun.decoding.recurrent_files import builtin_drafter, load_drafter
 from specrun.decoding.recycling import RecyclingMatrix
@@ -82,7 +82,7 @@ class EngineConfig:
         for name in self.drafters:
             if name in NEEDS_QUANT and not can_quantize:
                 raise ValueError(f"drafter {name!r} runs the model's 4-bit copy: it needs a model on the CPU whose "
-                                 f"linear layers take inputs in groups of 32, and one sequence at a time per worker")
+                                 f"linear layers take inputs in groups of 32 (a batched worker: one KV page a sequence)")
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
             if name in NEEDS_DRAFTER and not have_drafter:
@@ -102,15 +102,17 @@ class EngineConfig:
         return DraftWeights(load_drafter(path, lm), model.get_input_embeddings(), model.get_output_embeddings())
 
 
-def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: bool = True
+def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: bool = True, whole_pages: bool = False
                      ) -> tuple[DraftHeads | None, DraftWeights | None, tuple[str, ...]]:
     """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path.
-    solo: a solo engine (the 4-bit self-draft runs there alone, over its one KV cache)."""
+    solo: a solo engine, else a batched one, whose 4-bit self-draft runs on torch's kernels where each sequence's K/V
+    is one page (whole_pages: the CPU's layout)."""
     heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
     recurrent = config.recurrent_weights(lm)
     wanted = config.drafters is None or set(NEEDS_QUANT) & set(config.drafters)
-    can_quantize = solo and bool(wanted) and config.attention == "sdpa" \
-        and quantized(FusedDecoder.of(lm.model)) is not None
+    dec = FusedDecoder.of(lm.model)
+    can_quantize = bool(wanted) and (quantized(dec) is not None and config.attention == "sdpa" if solo
+                                     else whole_pages and quantized_rows(dec) is not None)
     return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
 
 

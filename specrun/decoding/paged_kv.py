@@ -144,6 +144,14 @@ class SeqPages:
         table = self.table(n)
         return gather_tokens(self.pool.k[layer], table, n), gather_tokens(self.pool.v[layer], table, n)
 
+    def page_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Its K and V of every layer as views [Lyr, Hkv, P, D] where one page holds all it can ever hold (CPU: one page
+        a sequence); else None."""
+        if self.n_pages + self.promised != 1 or self.n_pages != 1:
+            return None
+        page = int(self._table[0])
+        return self.pool.k[:, page], self.pool.v[:, page]
+
     def release(self) -> None:
         """The sequence is done: every page and every promise goes back to the pool."""
         self.pool._give_back(self._table[: self.n_pages].tolist(), keep_promised=False)

@@ -8,6 +8,7 @@ Its drafted tokens' K/V go in the slots after the committed ones, where the veri
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -57,8 +58,9 @@ class KernelForward:
         layers = CpuLayers.quantized(decoder, cpu_kernels()) if rows and quantizable(head) else None
         return None if layers is None else cls(decoder, layers, quantize(head)[0])
 
-    def begin(self, cache, position: int, k: int) -> None:
-        """A draft of k tokens from the root at `position` over cache."""
+    def begin(self, caches: list, positions: list[int], k: int) -> None:
+        """A draft of k tokens from the root at positions[0] over caches[0] (one sequence: the int8 copy is its)."""
+        (cache,), (position,) = caches, positions
         L, Hkv, cap, D = cache.k.shape
         if self.codes is None or self.codes.cap < cap or self.codes.data.shape[0] != L:
             self.codes = KVCodes(L, Hkv, cap, D)  # a new one where the runner replaced its cache
@@ -72,9 +74,11 @@ class KernelForward:
         if self.codes is not None:
             self.codes.upto = 0  # a new sequence: its cache is refilled from slot 0
 
-    def logits(self, i: int, token: int, counts: torch.Tensor | None, theta: float, below: float) -> torch.Tensor:
-        """# counts: [V] int32 or None -> [1, V] float32, the draft's logits after the i-th token (-inf outside the
+    def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
+               ) -> torch.Tensor:
+        """# counts[0]: [V] int32 or None -> [1, V] float32, the draft's logits after the i-th token (-inf outside the
         candidates)"""
+        (token,), (counts,), (theta,), (below,) = tokens, counts, thetas, belows
         kernels = self.layers.kernels
         x = self.dec.embed(torch.tensor([token])) if self.embed_rows is None else self.embed_rows[token : token + 1]
         h = self.layers(x, self.cos[i : i + 1], self.sin[i : i + 1], self.cache, self.cache.length + i, None,
@@ -85,11 +89,30 @@ class KernelForward:
 
 
 def quantized(decoder) -> KernelForward | Int4Forward | None:
-    """The 4-bit draft forward of a FusedDecoder, built once per decoder: our kernels where they take it, else torch's
-    int4 kernels (any CPU); None where neither does."""
+    """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
+    it, else torch's int4 kernels (any CPU); None where neither does."""
     if not hasattr(decoder, "_specrun_q4"):
         decoder._specrun_q4 = KernelForward.of(decoder) or Int4Forward.of(decoder)
     return decoder._specrun_q4
+
+
+def quantized_rows(decoder) -> Int4Forward | None:
+    """The 4-bit draft forward for a batched engine (several sequences a forward: torch's kernels), once per decoder."""
+    solo = quantized(decoder)
+    if isinstance(solo, Int4Forward) or solo is None:
+        return solo
+    if not hasattr(decoder, "_specrun_q4_rows"):
+        decoder._specrun_q4_rows = Int4Forward.of(decoder)
+    return decoder._specrun_q4_rows
+
+
+@dataclass
+class KVView:
+    """A sequence's K/V as the draft forwards read and write them: [Lyr, Hkv, S, D] each, slots [0, length) committed."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
 
 
 def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams, position: int) -> int:
@@ -100,6 +123,36 @@ def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingPara
     choice, _ = ar_choice(logits, params, torch.tensor([position]), lambda: (counts, None),
                           lambda: None if counts is None else (counts > 0)[None])
     return int(choice[0])
+
+
+def draft_chains(forward: KernelForward | Int4Forward, rows: list[tuple[object, DraftContext]], k: int
+                 ) -> list[list[int]]:
+    """Each row's root and k tokens after it, each AR's pick under the 4-bit model, every row through one forward a
+    depth; rows: (its KV: a KVCache or a page's view, its context). The penalty window is the committed one plus the
+    drafted tokens (a token leaving it is not tracked)."""
+    ctxs = [ctx for _, ctx in rows]
+    counts = [None if c.present is None or not c.params.uses_penalty else c.present.to(torch.int32) for c in ctxs]
+    thetas = [c.params.penalty if n is not None else 1.0 for c, n in zip(ctxs, counts)]
+    belows = [HEAD_MARGIN + (0.0 if c.params.greedy else c.params.temperature * (
+        -math.log(c.params.min_p) if c.params.min_p > 0 else GUMBEL_SPAN)) for c in ctxs]
+    tallies = [None if n is None else n.numpy() for n in counts]  # counts' memory: a tensor op a token cost ~15 us
+    forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k)
+    chains = [[c.root] for c in ctxs]
+    for i in range(k):
+        logits = forward.logits(i, [chain[-1] for chain in chains], counts, thetas, belows)  # [B, V]
+        for b, (chain, c) in enumerate(zip(chains, ctxs)):
+            token = pick(logits[b : b + 1], counts[b], c.params, c.position + i + 1)
+            chain.append(token)
+            if tallies[b] is not None:
+                tallies[b][token] += 1
+    return chains
+
+
+def leaves_to_copy(ctx: DraftContext, copy: SuffixCopy | None) -> bool:
+    """Greedy, and the last 3 tokens occurred before: the n-gram copy drafts the whole width at no forward's cost
+    (smollm2, 2,048 tokens: 3.45x AR so, 1.39x with this chain leading). Sampled text rarely repeats what its 3-gram
+    matches say, and steps that skip the chain made wide widths look cheap to the tuner."""
+    return ctx.params.greedy and copy is not None and bool(copy.follow(1))
 
 
 class QuantDrafter:
@@ -122,26 +175,48 @@ class QuantDrafter:
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
-        """The root and up to budget - 1 (at most MAX_CHAIN) tokens after it, each AR's pick under the 4-bit model;
-        the penalty window is the committed one plus the drafted tokens (a token leaving it is not tracked)."""
+        """The root and up to budget - 1 (at most MAX_CHAIN) tokens after it (draft_chains)."""
         k = min(ctx.budget - 1, MAX_CHAIN)
-        params = ctx.params
-        if k < 1 or (params.greedy and self.copy is not None and self.copy.follow(1)):
-            # greedy, and the last 3 tokens occurred before: the n-gram copy drafts the whole width at no forward's
-            # cost (smollm2, 2,048 tokens: 3.45x AR so, 1.39x with this chain leading). Sampled text rarely repeats
-            # what its 3-gram matches say, and steps that skip the chain made wide widths look cheap to the tuner
+        if k < 1 or leaves_to_copy(ctx, self.copy):
             return []
-        counts = None if ctx.present is None or not params.uses_penalty else ctx.present.to(torch.int32)
-        theta = params.penalty if counts is not None else 1.0
-        below = HEAD_MARGIN + (0.0 if params.greedy else params.temperature * (
-            -math.log(params.min_p) if params.min_p > 0 else GUMBEL_SPAN))
-        self.forward.begin(self.runner.cache, ctx.position, k)
-        tokens = [ctx.root]
-        tally = None if counts is None else counts.numpy()  # counts' memory: a tensor op a token cost ~15 us
-        for i in range(k):
-            logits = self.forward.logits(i, tokens[-1], counts, theta, below)  # [1, V]
-            token = pick(logits, counts, params, ctx.position + i + 1)
-            tokens.append(token)
-            if tally is not None:
-                tally[token] += 1
+        (tokens,) = draft_chains(self.forward, [(self.runner.cache, ctx)], k)
         return [Draft(tokens, list(range(-1, k)), source)]
+
+
+class BatchedQuantDrafter:
+    """One sequence's quantized self-drafter in the batched engine: draft_batch runs every sequence's chain through
+    one 4-bit forward a depth and hands each its own; propose returns it."""
+
+    name = "quant"
+
+    def __init__(self):
+        self.chain: list[int] | None = None  # this step's, from draft_batch
+        self.copy: SuffixCopy | None = None
+
+    def start(self, seq: list[int]) -> None:
+        self.chain = None
+
+    def observe(self, v) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def wants(self, ctx: DraftContext) -> bool:
+        return ctx.budget > 1 and not leaves_to_copy(ctx, self.copy)
+
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        chain, self.chain = self.chain, None
+        return [] if chain is None else [Draft(chain, list(range(-1, len(chain) - 1)), source)]
+
+
+@torch.inference_mode()
+def draft_batch(forward: Int4Forward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
+    """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
+    page's view, with k, v and length; its drafter; its context), all of one step's budget."""
+    if not entries:
+        return
+    k = min(entries[0][2].budget - 1, MAX_CHAIN)
+    chains = draft_chains(forward, [(kv, ctx) for kv, _, ctx in entries], k)
+    for (_, drafter, _), chain in zip(entries, chains):
+        drafter.chain = chain

@@ -1,8 +1,8 @@
 """The quantized self-draft's forward on torch's own int4 kernels, for CPUs our C kernels do not take: the target's
 linear weights on quant.py's 4-bit grid, bf16 activations, attention over the target's KV cache (sinks + a window).
 
-Int4Forward.of(decoder) is None where torch's kernels do not take the model; else begin(cache, position, k) once a
-draft, then logits(i, token, counts, theta, below) per drafted token, the contract of quant_draft.KernelForward.
+Int4Forward.of(decoder) is None where torch's kernels do not take the model; else begin(caches, positions, k) once a
+draft, then logits(i, tokens, counts, thetas, belows) per depth, a row per sequence (quant_draft.KernelForward: one).
 """
 
 from __future__ import annotations
@@ -110,49 +110,56 @@ class Int4Forward:
         self.norm = _Norm(dec.norm)
         self.head = Int4Linear(dec.lm_head.weight)
         self.rows = dec.lm_head.weight  # [V, H]: rescore's
-        self.cache = None
-        self.cos = self.sin = None  # [k, 1, D] bf16 of the draft's positions
+        self.caches: list = []
+        self.cos = self.sin = None  # [B, k, 1, D] bf16 of the draft's positions
 
-    def begin(self, cache, position: int, k: int) -> None:
-        """A draft of k tokens from the root at `position` over cache."""
-        self.cache = cache
+    def begin(self, caches: list, positions: list[int], k: int) -> None:
+        """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
+        [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page)."""
+        self.caches = caches
         like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16)
-        cos, sin = self.dec.rotary(like, torch.arange(position, position + k)[None])  # [1, k, D] each
-        self.cos, self.sin = cos[0, :, None, :].to(BF16), sin[0, :, None, :].to(BF16)
+        pos = torch.tensor(positions)[:, None] + torch.arange(k)  # [B, k]
+        cos, sin = self.dec.rotary(like, pos)  # [B, k, D] each
+        self.cos, self.sin = cos[:, :, None, :].to(BF16), sin[:, :, None, :].to(BF16)  # [B, k, 1, D]
 
     @torch.inference_mode()
-    def logits(self, i: int, token: int, counts: torch.Tensor | None, theta: float, below: float) -> torch.Tensor:
-        """The draft's rescored logits after `token`, the i-th token of the draft (i = 0: the root).
+    def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]) -> torch.Tensor:
+        """Each row's rescored logits after its token, the i-th of its draft (i = 0: the root).
 
-        # counts: [V] int32 or None -> [1, V] float32 (-inf outside the candidates)
+        # counts[b]: [V] int32 or None -> [B, V] float32 (-inf outside each row's candidates)
         """
-        dec, cache = self.dec, self.cache
+        dec, B = self.dec, len(tokens)
         nq, nkv, D = dec.n_q, dec.n_kv, dec.head_dim
-        slot = cache.length + i
-        x = dec.embed(torch.tensor([token])).to(BF16)  # [1, H]
-        cos, sin = self.cos[i : i + 1], self.sin[i : i + 1]
+        x = dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
+        cos, sin = self.cos[:, i], self.sin[:, i]  # [B, 1, D]
         for j, L in enumerate(self.layers):
-            qkv = L.qkv(L.ln1(x))  # [1, (nq + 2 nkv) D]
-            qk = qkv[:, : (nq + nkv) * D].view(1, nq + nkv, D)
-            v = qkv[:, (nq + nkv) * D :].view(nkv, D)
+            qkv = L.qkv(L.ln1(x))  # [B, (nq + 2 nkv) D]
+            qk = qkv[:, : (nq + nkv) * D].view(B, nq + nkv, D)
+            v = qkv[:, (nq + nkv) * D :].view(B, nkv, D)
             if L.q_norm is not None:
                 qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
             qk = apply_rope(qk, cos, sin)
-            cache.k[j, :, slot] = qk[0, nq:]
-            cache.v[j, :, slot] = v
-            out = self._attend(j, qk[0, :nq], slot + 1, L.scaling)  # [nq, D]
-            x = x + L.o(out.reshape(1, nq * D))
-            gu = L.gate_up(L.ln2(x))  # [1, 2I]
+            out = torch.empty((B, nq, D), dtype=BF16)
+            for b, cache in enumerate(self.caches):
+                slot = cache.length + i
+                cache.k[j, :, slot] = qk[b, nq:]
+                cache.v[j, :, slot] = v[b]
+                out[b] = self._attend(cache, j, qk[b, :nq], slot + 1, L.scaling)
+            x = x + L.o(out.view(B, nq * D))
+            gu = L.gate_up(L.ln2(x))  # [B, 2I]
             x = x + L.down(L.act(gu[:, : dec.inter]) * gu[:, dec.inter :])
         h = self.norm(x)
-        return rescore(self.head(h).float(), counts, h, self.rows, theta, below)
+        coarse = self.head(h).float()  # [B, V]
+        return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.rows, thetas[b], belows[b])
+                          for b in range(B)])
 
-    def _attend(self, layer: int, q: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
+    @staticmethod
+    def _attend(cache, layer: int, q: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
         """q over slots [0, SINKS) and the last WINDOW of [0, n) (all of them while n <= SINKS + WINDOW).
 
         # q: [Hq, D] bf16 -> [Hq, D] bf16
         """
-        ck, cv = self.cache.k[layer], self.cache.v[layer]  # [Hkv, S, D]
+        ck, cv = cache.k[layer], cache.v[layer]  # [Hkv, S, D]
         Hkv, D = ck.shape[0], ck.shape[2]
         qg = q.reshape(Hkv, -1, D).to(ck.dtype)  # query head h = kv_head * G + g
         if n <= SINKS + WINDOW:

@@ -264,8 +264,10 @@ def test_an_off_grid_model_still_gets_its_own_output(model_dir, path, dtype):
 def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model_dir, tmp_path):
     lm = load_model(str(model_dir), dtype="float32")
     assert quantized(FusedDecoder.of(lm.model)) is not None  # torch's kernels take float32 models too
-    assert "quant" not in BatchEngine(lm, EngineConfig(), BatchConfig(concurrency=2)).names  # one cache per engine
-    with pytest.raises(ValueError, match="one sequence at a time"):
+    # a batched engine drafts with it where each sequence's K/V is one page (the CPU's layout), not over pages of 1
+    assert "quant" in BatchEngine(lm, EngineConfig(), BatchConfig(concurrency=2, page_size=256, kv_tokens=512)).names
+    assert "quant" not in BatchEngine(lm, EngineConfig(), BatchConfig(concurrency=2)).names
+    with pytest.raises(ValueError, match="one KV page a sequence"):
         BatchEngine(lm, EngineConfig(drafters=("quant",)), BatchConfig(concurrency=2))
     odd = load_model(str(build_tiny_model(tmp_path / "odd", hidden=48, heads=2, kv_heads=1, layers=1, seed=1)))
     assert quantized(FusedDecoder.of(odd.model)) is None  # inputs of 48: not groups of 32
@@ -364,8 +366,9 @@ def test_torchs_int4_forward_computes_what_the_model_does_on_its_weights(model_d
     runner.prefill(torch.tensor(PROMPT), 8)
     fwd = Int4Forward.of(runner.decoder)
     n = runner.cache.length
-    fwd.begin(runner.cache, n, 2)
-    draft = [fwd.logits(0, 65, None, 1.0, 1e9)[0], fwd.logits(1, 66, None, 1.0, 1e9)[0]]  # every token a candidate
+    fwd.begin([runner.cache], [n], 2)
+    every = ([None], [1.0], [1e9])  # every token a candidate
+    draft = [fwd.logits(0, [65], *every)[0], fwd.logits(1, [66], *every)[0]]
     drafted_k = runner.cache.k[:, :, n : n + 2].float().clone()
     hidden = runner.forward(torch.tensor([65, 66]), torch.tensor([n, n + 1]), torch.ones((2, 2), dtype=torch.bool).tril_())
     ref = runner.logits(hidden)
@@ -385,8 +388,6 @@ def test_the_int4_draft_attends_the_sinks_and_the_recent_window(monkeypatch):
     cache = KVCache(1, S, Hkv, D, torch.float32, "cpu")
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
     cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
-    fwd = Int4Forward.__new__(Int4Forward)
-    fwd.cache = cache
     q = torch.randn((Hq, D), generator=gen).bfloat16()
 
     def over(slots):
@@ -396,8 +397,23 @@ def test_the_int4_draft_attends_the_sinks_and_the_recent_window(monkeypatch):
         return (p @ v).reshape(Hq, D)
 
     for n in (3, 7, 8, 30):
-        got = fwd._attend(0, q, n, 0.2).float()
+        got = Int4Forward._attend(cache, 0, q, n, 0.2).float()
         slots = list(range(n)) if n <= 7 else [0, 1, *range(n - 5, n)]
         assert (got - over(slots)).abs().max() <= 0.02, n
         if n > 7:
             assert (got - over(list(range(n)))).abs().max() > 0.05  # the whole cache would give other values
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_batched_worker_drafts_every_sequence_with_the_4bit_copy_and_each_gets_its_own_output(model_dir, params):
+    """Three prompts at once (one KV page each, as a CPU worker holds them): every chain through one int4 forward a
+    depth, each over its own page; each output is its solo AR run's, and the chains are accepted."""
+    lm = _model(model_dir, "torch", "float32")
+    prompts = [PROMPT, PROMPT[:5] + [50, 60, 70], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    ar = [Engine(lm, EngineConfig(drafters=())).generate(p, params).token_ids for p in prompts]
+    engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
+                         BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=256))
+    got = engine.run([(i, p, params, []) for i, p in enumerate(prompts)])
+    for i in range(3):
+        assert got[i].token_ids == ar[i], i
+        assert got[i].stats["mean_accepted"] > 3.0, got[i].stats
