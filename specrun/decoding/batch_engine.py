@@ -19,8 +19,8 @@ from specrun.decoding.heads import DraftHeads
 from specrun.decoding.paged_attention import check_paged_backend
 from specrun.decoding.paged_kv import SeqPages
 from specrun.decoding.paged_runner import PagedRunner
-from specrun.decoding.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, draft_batch as quant_batch
-from specrun.decoding.quant_draft import quantized_rows
+from specrun.decoding.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, quantized_rows
+from specrun.decoding.quant_draft import draft_batch as quant_batch
 from specrun.decoding.recycling import RecyclingMatrix
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch

@@ -4,16 +4,16 @@ the model's own over the same weights, AR's tokens drafted, and an output that i
 import pytest
 import torch
 
+from specrun.decoding import quant_torch
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.kv_cache import KVCache
 from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.neartie import check_divergence
 from specrun.decoding.quant import quantizable, quantize
 from specrun.decoding.quant_draft import KernelForward, QuantDrafter, quantized
-from specrun.decoding import quant_torch
-from specrun.decoding.kv_cache import KVCache
 from specrun.decoding.quant_torch import Int4Forward, Int4Linear
 from specrun.decoding.quant_torch import rescore as torch_rescore
 from specrun.decoding.runner import ModelRunner

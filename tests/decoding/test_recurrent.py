@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.quant_draft import quantized
 from specrun.decoding.recurrent import DraftWeights, RecurrentDraft, _processed, draft_tree
 from specrun.decoding.recurrent_files import builtin_drafter, load_drafter, model_signature, save_drafter
 from specrun.decoding.sampling import SamplingParams
@@ -206,4 +208,5 @@ def test_drafter_files_refuse_another_model(lm, trained, load_fixture):
     with pytest.raises(ValueError, match="needs a trained recurrent drafter"):
         Engine(other, EngineConfig(drafters=("recurrent",)))
     assert builtin_drafter(lm) is None  # nothing ships for a tiny random model: auto drafts without it
-    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == ["ngram", "recycling"]
+    quant = ["quant"] if quantized(FusedDecoder.of(lm.model)) is not None else []  # the 4-bit copy where it runs
+    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == [*quant, "ngram", "recycling"]

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.heads import DraftHeads
+from specrun.decoding.quant_draft import quantized
 from specrun.decoding.sampling import SamplingParams
 from specrun.decoding.self_draft import FusedDrafter, TreeTemplate
 from specrun.decoding.trie import DraftContext
@@ -58,7 +60,7 @@ def references(load_fixture, trained: bool):
 def test_lossless_in_every_kv_mode(load_fixture, trained):
     lm, prompt, heads, greedy_ref, sampled, sampled_ref = references(load_fixture, trained)
     for mode in ("full", "partial", "dynamic"):
-        for drafters in (("heads",), None):
+        for drafters in (("heads",), ("heads", "ngram", "recycling")):  # alone, and led by nothing else
             # a budget below the prompt length puts the partial cache to work from the first step
             cfg = EngineConfig(drafters=drafters, kv_mode=mode, kv_budget=24, kv_sinks=4, adaptive_budget=False)
             res = Engine(lm, cfg, heads=heads).generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True))
@@ -85,7 +87,8 @@ def test_heads_drafter_needs_heads(load_fixture):
     for name in ("heads", "fused"):
         with pytest.raises(ValueError, match=name):
             Engine(lm, EngineConfig(drafters=(name,)))
-    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == ["ngram", "recycling"]
+    quant = ["quant"] if quantized(FusedDecoder.of(lm.model)) is not None else []  # the 4-bit copy where it runs
+    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == [*quant, "ngram", "recycling"]
 
 
 @pytest.mark.parametrize("trained", [False, True])

@@ -25,7 +25,9 @@ def test_a_resolved_shadow_is_the_path_the_verify_of_that_trie_accepted(load_fix
     monkeypatch.setattr(engine_mod, "walk", recording_walk)
     prompt = lm.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
     params = SamplingParams(max_tokens=120, temperature=temperature, min_p=0.05, seed=3, ignore_eos=True)
-    out = Engine(lm, EngineConfig(trie_budget=16, adaptive_budget=False)).generate(prompt, params).token_ids
+    # shadow tries are for tree drafters (the 4-bit chain drafts by forwards: no shadows)
+    config = EngineConfig(drafters=("ngram", "recycling"), trie_budget=16, adaptive_budget=False)
+    out = Engine(lm, config).generate(prompt, params).token_ids
     n, checked, hits = 0, 0, 0
     for trie, path in steps:
         shadow = Shadow()

@@ -158,8 +158,10 @@ def test_matrix_snapshots_are_rate_limited_not_written_at_every_checkpoint(model
     writes = []
     real = worker_mod.save_matrix
     monkeypatch.setattr(worker_mod, "save_matrix", lambda *a, **kw: writes.append(1) or real(*a, **kw))
+    # the n-gram and recycling drafters: about a token a step, so ~10 checkpoints a prompt (the 4-bit chain takes
+    # several a step)
     spec = WorkerSpec(job_dir=str(tmp_path), model=model, fingerprint=model_info(model).fingerprint,
-                      checkpoint_every=4, snapshot_seconds=3600)
+                      checkpoint_every=4, snapshot_seconds=3600, engine={"drafters": ["ngram", "recycling"]})
     w = GenerationWorker(spec, slot=0)
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
     for i in range(3):
