@@ -2,7 +2,7 @@
 (its sampling rules, penalty and Gumbel noise at each position) over the target's KV cache, one token a forward.
 
 Its drafted tokens' K/V go in the slots after the committed ones, where the verify forward then writes its own
-(verification decides, I1). The forward runs on our C kernels (KernelForward) or torch's (quant_torch.Int4Forward).
+(verification decides, I1). The forward runs on our C kernels (KernelForward) or torch's (quant_torch.TorchForward).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from specrun.decoding.cpu_layers import CpuLayers
 from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.ngram import SuffixCopy
 from specrun.decoding.quant import quantizable, quantize
-from specrun.decoding.quant_torch import Int4Forward
+from specrun.decoding.quant_torch import TorchForward
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams, ar_choice
 from specrun.decoding.trie import Draft, DraftContext
@@ -33,7 +33,7 @@ MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner pi
 
 class KernelForward:
     """The 4-bit layers and LM head on our C kernels (AVX-512 BF16 CPUs, a bf16 model): the draft attends an int8
-    copy of the target's K/V of every committed token (KVCodes, synced a step's new slots at a time). Int4Forward
+    copy of the target's K/V of every committed token (KVCodes, synced a step's new slots at a time). TorchForward
     (quant_torch.py) keeps the same contract on torch's kernels."""
 
     def __init__(self, decoder, layers: CpuLayers, head: torch.Tensor):
@@ -88,21 +88,21 @@ class KernelForward:
         return kernels.rescore(coarse, counts, h, self.rows, theta, below)[0]
 
 
-def quantized(decoder) -> KernelForward | Int4Forward | None:
+def quantized(decoder) -> KernelForward | TorchForward | None:
     """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
     it, else torch's int4 kernels (any CPU); None where neither does."""
     if not hasattr(decoder, "_specrun_q4"):
-        decoder._specrun_q4 = KernelForward.of(decoder) or Int4Forward.of(decoder)
+        decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
     return decoder._specrun_q4
 
 
-def quantized_rows(decoder) -> Int4Forward | None:
+def quantized_rows(decoder) -> TorchForward | None:
     """The 4-bit draft forward for a batched engine (several sequences a forward: torch's kernels), once per decoder."""
     solo = quantized(decoder)
-    if isinstance(solo, Int4Forward) or solo is None:
+    if isinstance(solo, TorchForward) or solo is None:
         return solo
     if not hasattr(decoder, "_specrun_q4_rows"):
-        decoder._specrun_q4_rows = Int4Forward.of(decoder)
+        decoder._specrun_q4_rows = TorchForward.of(decoder)
     return decoder._specrun_q4_rows
 
 
@@ -125,7 +125,7 @@ def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingPara
     return int(choice[0])
 
 
-def draft_chains(forward: KernelForward | Int4Forward, rows: list[tuple[object, DraftContext]], k: int
+def draft_chains(forward: KernelForward | TorchForward, rows: list[tuple[object, DraftContext]], k: int
                  ) -> list[list[int]]:
     """Each row's root and k tokens after it, each AR's pick under the 4-bit model, every row through one forward a
     depth; rows: (its KV: a KVCache or a page's view, its context). The penalty window is the committed one plus the
@@ -158,7 +158,7 @@ def leaves_to_copy(ctx: DraftContext, copy: SuffixCopy | None) -> bool:
 class QuantDrafter:
     name = "quant"
 
-    def __init__(self, runner: ModelRunner, forward: KernelForward | Int4Forward):
+    def __init__(self, runner: ModelRunner, forward: KernelForward | TorchForward):
         self.runner = runner
         self.forward = forward
         self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
@@ -211,7 +211,7 @@ class BatchedQuantDrafter:
 
 
 @torch.inference_mode()
-def draft_batch(forward: Int4Forward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
+def draft_batch(forward: TorchForward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
     """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
     page's view, with k, v and length; its drafter; its context), all of one step's budget."""
     if not entries:

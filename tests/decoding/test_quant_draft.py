@@ -14,7 +14,7 @@ from specrun.decoding.kv_codes import KVCodes
 from specrun.decoding.neartie import check_divergence
 from specrun.decoding.quant import quantizable, quantize
 from specrun.decoding.quant_draft import KernelForward, QuantDrafter, quantized
-from specrun.decoding.quant_torch import Int4Forward, Int4Linear
+from specrun.decoding.quant_torch import Int4Linear, Int8Linear, TorchForward, on_grid
 from specrun.decoding.quant_torch import rescore as torch_rescore
 from specrun.decoding.runner import ModelRunner
 from specrun.decoding.sampling import SamplingParams
@@ -206,7 +206,7 @@ def _model(model_dir, path: str, dtype: str, on_grid: bool = True):
     if on_grid:
         _on_grid(lm)
     dec = FusedDecoder.of(lm.model)
-    dec._specrun_q4 = KernelForward.of(dec) if path == "kernels" else Int4Forward.of(dec)
+    dec._specrun_q4 = KernelForward.of(dec) if path == "kernels" else TorchForward.of(dec)
     assert dec._specrun_q4 is not None
     return lm
 
@@ -364,7 +364,7 @@ def test_torchs_int4_forward_computes_what_the_model_does_on_its_weights(model_d
     runner = ModelRunner(lm, max_rows=16)
     runner.reset(64)
     runner.prefill(torch.tensor(PROMPT), 8)
-    fwd = Int4Forward.of(runner.decoder)
+    fwd = TorchForward.of(runner.decoder)
     n = runner.cache.length
     fwd.begin([runner.cache], [n], 2)
     every = ([None], [1.0], [1e9])  # every token a candidate
@@ -397,7 +397,7 @@ def test_the_int4_draft_attends_the_sinks_and_the_recent_window(monkeypatch):
         return (p @ v).reshape(Hq, D)
 
     for n in (3, 7, 8, 30):
-        got = Int4Forward._attend(cache, 0, q, n, 0.2).float()
+        got = TorchForward._attend(cache, 0, q, n, 0.2).float()
         slots = list(range(n)) if n <= 7 else [0, 1, *range(n - 5, n)]
         assert (got - over(slots)).abs().max() <= 0.02, n
         if n > 7:
@@ -417,3 +417,26 @@ def test_a_batched_worker_drafts_every_sequence_with_the_4bit_copy_and_each_gets
     for i in range(3):
         assert got[i].token_ids == ar[i], i
         assert got[i].stats["mean_accepted"] > 3.0, got[i].stats
+
+
+def test_the_torch_draft_takes_4_bits_where_the_weights_sit_on_a_4bit_grid_else_8(model_dir):
+    """A GGUF Q4 model's weights sit on the grid: 4 bits keep them whole. A model trained in bf16 loses too much to
+    4 bits (smollm2 off its grid: ~48% of drafted tokens accepted): its layers go in 8 bits."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn((64, 96), generator=gen) * 0.05
+    assert not on_grid([w]) and on_grid([quantize(w)[1]])
+    assert TorchForward.of(FusedDecoder.of(_on_grid(load_model(str(model_dir))).model)).bits == 4
+    off = TorchForward.of(FusedDecoder.of(load_model(str(model_dir)).model))
+    assert off.bits == 8 and isinstance(off.layers[0].qkv, Int8Linear)
+
+
+@pytest.mark.parametrize("n,k", [(37, 96), (17, 576)])
+def test_torchs_int8_product_is_the_float64_one_within_its_rounding(n, k):
+    gen = torch.Generator().manual_seed(n + 2)
+    w, bias = torch.randn((n, k), generator=gen) * 0.1, torch.randn(n, generator=gen)
+    x = torch.randn((3, k), generator=gen).bfloat16()
+    for b in (None, bias):
+        want = x.double() @ w.double().T + (0 if b is None else b.bfloat16().double())
+        y = Int8Linear(w, b)(x).double()
+        # a code errs by half of its row's step (max |w| / 127), summed over k inputs; bf16 output
+        assert ((y - want).abs() <= 2 ** -7 * want.abs() + 0.02 * want.abs().max()).all()
