@@ -73,7 +73,7 @@ sampling_options = stack_options(
 
 engine_options = stack_options(
     click.option("--draft", default="auto", show_default=True,
-                 help=f"Drafters: 'auto' (ngram and recycling, quant for a bf16 model on our CPU kernels, the "
+                 help=f"Drafters: 'auto' (ngram and recycling, quant (the model's own 4-bit copy) on the CPU, the "
                       f"recurrent drafter where --drafter has one, heads with --heads), 'none' for plain "
                       f"autoregressive decoding, or a comma list of {', '.join(DRAFTER_NAMES)}."),
     click.option("--heads", "heads_path", type=click.Path(exists=True, file_okay=False), default=None,
