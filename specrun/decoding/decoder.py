@@ -108,6 +108,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rotated_qkv(L, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, D: int):
+    """A layer's (anything with ln1, qkv, q_norm, k_norm) queries and keys after RoPE, and its values.
+
+    # x: [T, H], cos/sin: [T, 1, D] -> qk: [T, nq + nkv, D] (q heads first), v: [T, nkv, D]
+    """
+    T = x.shape[0]
+    qkv = L.qkv(L.ln1(x))  # [T, (nq + 2 nkv) D]
+    qk = qkv[:, : (nq + nkv) * D].view(T, nq + nkv, D)
+    v = qkv[:, (nq + nkv) * D :].view(T, nkv, D)
+    if L.q_norm is not None:
+        qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
+    return apply_rope(qk, cos, sin), v  # q and k heads in one pass: elementwise, so the same values as two
+
+
 class FusedDecoder:
     @classmethod
     def of(cls, model) -> FusedDecoder:
@@ -162,12 +176,7 @@ class FusedDecoder:
         """
         T, D, nq, nkv = x.shape[0], self.head_dim, self.n_q, self.n_kv
         for i, L in enumerate(self.layers):
-            qkv = L.qkv(L.ln1(x))  # [T, (nq + 2 nkv) D]
-            qk = qkv[:, : (nq + nkv) * D].view(T, nq + nkv, D)
-            v = qkv[:, (nq + nkv) * D :].view(T, nkv, D)
-            if L.q_norm is not None:
-                qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
-            qk = apply_rope(qk, cos, sin)  # q and k heads in one pass: elementwise, so the same values as two
+            qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)
             q, k = qk[:, :nq], qk[:, nq:]
             out = ctx.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                              L.scaling)  # [1, T, Hq, D]

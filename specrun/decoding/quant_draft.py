@@ -164,8 +164,7 @@ class QuantDrafter:
         self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
 
     def start(self, seq: list[int]) -> None:
-        if isinstance(self.forward, KernelForward):
-            self.forward.start()
+        self.forward.start()
 
     def observe(self, v) -> None:
         pass

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specrun.decoding.attention import attend_lse, merge_states
-from specrun.decoding.decoder import apply_rope
+from specrun.decoding.decoder import rotated_qkv
 from specrun.decoding.quant import GROUP, grid, quantizable
 
 # the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
@@ -148,6 +148,9 @@ class TorchForward:
         self.caches: list = []
         self.cos = self.sin = None  # [B, k, 1, D] bf16 of the draft's positions
 
+    def start(self) -> None:
+        pass  # it reads the target's cache itself: nothing kept across sequences
+
     def begin(self, caches: list, positions: list[int], k: int) -> None:
         """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
         [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page)."""
@@ -168,12 +171,7 @@ class TorchForward:
         x = dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
         cos, sin = self.cos[:, i], self.sin[:, i]  # [B, 1, D]
         for j, L in enumerate(self.layers):
-            qkv = L.qkv(L.ln1(x))  # [B, (nq + 2 nkv) D]
-            qk = qkv[:, : (nq + nkv) * D].view(B, nq + nkv, D)
-            v = qkv[:, (nq + nkv) * D :].view(B, nkv, D)
-            if L.q_norm is not None:
-                qk = torch.cat((L.q_norm(qk[:, :nq]), L.k_norm(qk[:, nq:])), dim=1)
-            qk = apply_rope(qk, cos, sin)
+            qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
             out = torch.empty((B, nq, D), dtype=BF16)
             for b, cache in enumerate(self.caches):
                 slot = cache.length + i
