@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.decoding.engine import Engine, EngineConfig, resolve_drafting
 from specrun.decoding.sampling import SamplingParams
 
@@ -24,7 +25,7 @@ class RunSpec:
     """One benchmarked configuration: HF generate kwargs (kind "hf") or EngineConfig overrides (kind "specrun")."""
 
     name: str
-    kind: str  # "hf" | "specrun"
+    kind: str  # "hf" | "llama_cpp" | "specrun"
     overrides: tuple[tuple[str, object], ...] = ()
     needs_heads: bool = False  # gets heads_path=--heads; skipped without heads or engine support
 
@@ -33,6 +34,7 @@ class RunSpec:
 DEFAULT_RUNS: tuple[RunSpec, ...] = (
     RunSpec("hf_ar", "hf"),
     RunSpec("hf_prompt_lookup", "hf", (("prompt_lookup_num_tokens", HF_PROMPT_LOOKUP_TOKENS),)),
+    RunSpec("llama_cpp", "llama_cpp"),  # where llama-cpp-python and a GGUF file of the model are at hand
     RunSpec("specrun_ar", "specrun", (("drafters", ()),)),
     RunSpec("specrun_spec", "specrun"),
     RunSpec("ngram_only", "specrun", (("drafters", ("ngram",)),)),
@@ -92,7 +94,7 @@ def plan(base: EngineConfig, heads_path: str | None, runs=DEFAULT_RUNS) -> tuple
         notes.append("specrun_spec drafts without 'heads': no --heads given")
     for spec in runs:
         over = dict(spec.overrides)
-        if spec.kind == "hf":
+        if spec.kind != "specrun":
             planned.append((spec, over))
             continue
         if spec.needs_heads:
@@ -259,11 +261,12 @@ def bench_params(params: SamplingParams, n: int) -> SamplingParams:
 
 
 def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned, settings: BenchSettings,
-              log: Callable[[str], None] = lambda m: None, between: Callable[[], None] = lambda: None
-              ) -> list[Measurement]:
+              log: Callable[[str], None] = lambda m: None, between: Callable[[], None] = lambda: None,
+              llama=None) -> list[Measurement]:
     """Every planned configuration `repeat` times, interleaved (the order rotates each repeat); warm-up untimed. With
     settings.lockstep a repeat's specrun runs go first, in lockstep (run_lockstep), then its HF runs one by one.
-    `between` runs before the first repeat and after each (untimed: the bench's bandwidth probes).
+    `between` runs before the first repeat and after each (untimed: the bench's bandwidth probes). llama: the
+    llama_cpp row's model (bench/llama_cpp.py).
 
     params.max_tokens is overridden by settings.max_tokens and stop rules are off so every run has the same length.
     """
@@ -274,6 +277,10 @@ def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned,
         if spec.kind == "hf":
             toks, s, at = run_hf(hf_lm, prompt_ids, p, p.max_tokens, target, lengths)
             return toks, s, at, {}
+        if spec.kind == "llama_cpp":
+            clock = _LengthClock(tuple(lengths))
+            toks, s = run_llama_cpp(llama, prompt_ids, p, p.max_tokens, clock)
+            return toks, s, clock.at, {}
         return run_specrun(lm, target, prompt_ids, p, lengths)
 
     if warm is not None:

@@ -35,6 +35,8 @@ from specrun.decoding.paged_attention import PAGED_BACKENDS
 @click.option("--lengths", help="Comma list of generated lengths to report ratios at, e.g. 2048,8192,16384.")
 @click.option("--warmup", type=int, default=16, show_default=True, help="Untimed warm-up tokens per configuration.")
 @click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run).")
+@click.option("--gguf", type=click.Path(exists=True, dir_okay=False), help="GGUF file of the same model for the "
+              "llama_cpp row (default: smollm2's own Q4_1 file with --model smollm2; other models: no llama_cpp row).")
 @click.option("--lockstep/--one-by-one", default=True, show_default=True,
               help="Run a repeat's specrun configurations a step each in turn, each timed by its own steps, so a slow "
               "spell of a shared host falls on all alike. It holds one KV cache per configuration at once: "
@@ -50,11 +52,12 @@ from specrun.decoding.paged_attention import PAGED_BACKENDS
 @sampling_options
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every number instead of tables.")
-def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockstep, levels, batch_attention, chat,
-          model, dtype, device, trust_remote_code, as_json, **kw):
+def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, lockstep, levels, batch_attention,
+          chat, model, dtype, device, trust_remote_code, as_json, **kw):
     """Benchmark specrun against HF generate on one prompt: tok/s, ratios, acceptance, time per phase.
 
-    Runs hf_ar, hf_prompt_lookup, specrun_ar, specrun_spec (the --draft drafters) and the ablations ngram_only,
+    Runs hf_ar, hf_prompt_lookup, llama_cpp (where llama-cpp-python is installed and a GGUF file of the model is at
+    hand: see --gguf), specrun_ar, specrun_spec (the --draft drafters) and the ablations ngram_only,
     recycling_only, heads_partial and fused_spec (these two need --heads), each --repeat times, interleaved (the
     specrun runs of a repeat in lockstep, a step each in turn: see --lockstep). Every run generates the same
     number of tokens (EOS is ignored). All specrun runs must produce the tokens of specrun_ar, or differ only at a
@@ -78,6 +81,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
         plan,
         run_bench,
     )
+    from specrun.bench.llama_cpp import NOTE as LLAMA_NOTE
     from specrun.cli.generate import encode_prompt, load_for_cli
 
     if (prompt is None) == (prompt_file is None):
@@ -131,6 +135,14 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
         hf_lm = load_model(lm.path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                            rope_scaling=kw.get("rope_scaling"))  # own copy, SDPA
         notes = hf_notes(params, len(prompt_ids)) + notes
+    llama = None
+    if any(spec.kind == "llama_cpp" for spec, _ in planned):
+        llama = _llama_cpp(lm, gguf, len(prompt_ids) + n, params)
+        if isinstance(llama, str):
+            notes.append(llama)
+            planned, llama = [(spec, t) for spec, t in planned if spec.kind != "llama_cpp"], None
+        else:
+            notes.append(LLAMA_NOTE)
     notes.append("specrun runs use a fresh Engine each (cold drafters: no recycling state carried between runs)")
 
     def log(msg: str) -> None:
@@ -141,7 +153,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
     probes: list[float] = []  # the host's bandwidth before the first repeat and after each
     try:
         ms = run_bench(lm, hf_lm, prompt_ids, params, planned, settings, log=log,
-                       between=lambda: probes.append(read_bandwidth(lm.device)))
+                       between=lambda: probes.append(read_bandwidth(lm.device)), llama=llama)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     meta = {"model": lm.path, "fingerprint": lm.fingerprint, "device": str(lm.device), "dtype": dtype,
@@ -164,3 +176,17 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, lockst
         render(report, Console(file=sys.stdout, width=160))
     if not report["lossless"]:  # a divergence from AR that is not a numerical near tie
         sys.exit(1)
+
+
+def _llama_cpp(lm, gguf: str | None, n_ctx: int, params):
+    """The llama_cpp row's model, or the note saying why the row is skipped."""
+    import torch
+
+    from specrun.bench.llama_cpp import find_gguf, load_llama_cpp
+
+    path = find_gguf(lm, gguf)
+    if path is None:
+        return "llama_cpp skipped: no GGUF file of this model (give one with --gguf)"
+    if lm.device.type != "cpu":
+        return "llama_cpp skipped: the baseline runs on CPU only"
+    return load_llama_cpp(path, n_ctx, torch.get_num_threads(), params)
