@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.errors import ConfigError, ModelError, SpecrunError
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.parquet_in import Columns

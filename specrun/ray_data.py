@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.parquet_in import Columns, row_object
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "stats")

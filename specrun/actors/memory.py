@@ -1,6 +1,6 @@
 """How many sequences a worker runs at once: the KV memory its device can give, over what one sequence needs.
 
-A sequence is admitted only with its whole KV reserved (decoding/paged_kv.py), so N is fixed once, at load.
+A sequence is admitted only with its whole KV reserved (decoding/forward/paged_kv.py), so N is fixed once, at load.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def batch_engine(lm, config, cap: int, need: int, page_size: int, device: str, w
     """(BatchEngine, N) for up to `cap` sequences of `need` KV slots each, N checked against (or, auto, fitted to) the
     KV memory this worker can give; (None, 1) when one sequence at a time is all it gets."""
     from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-    from specrun.decoding.paged_runner import kv_bytes_per_token
+    from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 
     if cap == 1:
         return None, 1

@@ -114,8 +114,8 @@ class GenerationWorker:
             import torch
 
             from specrun.actors.memory import batch_engine
-            from specrun.decoding.decoder import FusedDecoder
             from specrun.decoding.engine import Engine
+            from specrun.decoding.forward.decoder import FusedDecoder
             from specrun.models.loader import load_model
 
             self._check_job_dir()
@@ -161,7 +161,7 @@ class GenerationWorker:
     def generate(self, task: dict) -> dict:
         """task: id, input_ids, params (SamplingParams fields), resume_from -> result dict (see driver); "warnings"
         lists the best-effort writes that failed (and were retried) on the way."""
-        from specrun.decoding.sampling import SamplingParams
+        from specrun.decoding.verify.sampling import SamplingParams
         from specrun.models.loader import output_text
 
         self.load()

@@ -10,12 +10,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from specrun.bench.neartie import check_divergence
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.neartie import check_divergence
-from specrun.decoding.decoder import FusedDecoder
-from specrun.decoding.paged_attention import resolve_backend
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.paged_attention import resolve_backend
+from specrun.decoding.verify.sampling import SamplingParams
 
 REFERENCE = "specrun_ar"  # the run kind whose lowest-concurrency tokens every other run is checked against
 

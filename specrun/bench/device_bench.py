@@ -12,15 +12,15 @@ import time
 
 import torch
 
+from specrun.bench.neartie import check_divergence
 from specrun.bench.roofline import read_bandwidth, step_weight_bytes
 from specrun.bench.runner import _sync
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.neartie import check_divergence
-from specrun.decoding.paged_runner import kv_bytes_per_token
-from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.static_step import StaticStep, bucket_of
+from specrun.decoding.forward.paged_runner import kv_bytes_per_token
+from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.forward.static_step import StaticStep, bucket_of
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.models.loader import LoadedModel
 
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,

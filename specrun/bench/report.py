@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import statistics
 
+from specrun.bench.neartie import first_diff as _first_diff
 from specrun.bench.runner import Measurement
-from specrun.decoding.neartie import first_diff as _first_diff
 from specrun.decoding.stats import PHASES
 
 STEP_PHASES = tuple(p for p in PHASES if p != "prefill")  # + "other": wall time no phase accounts for

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from specrun.decoding.decoder import FusedDecoder
-from specrun.decoding.paged_runner import kv_bytes_per_token
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:

@@ -15,7 +15,7 @@ import torch
 
 from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.decoding.engine import Engine, EngineConfig, resolve_drafting
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 

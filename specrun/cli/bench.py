@@ -22,7 +22,7 @@ from specrun.cli.options import (
     sampling_options,
     sampling_params_from,
 )
-from specrun.decoding.paged_attention import PAGED_BACKENDS
+from specrun.decoding.forward.paged_attention import PAGED_BACKENDS
 
 
 @click.command()
@@ -71,6 +71,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
       specrun bench --model M --prompt-file p.txt --lengths 2048,8192,16384 --repeat 1
       specrun bench --model smollm2 --chat --prompt "Write a long story." --max-tokens 1024 --concurrency 1,4,8
     """
+    from specrun.bench.llama_cpp import NOTE as LLAMA_NOTE
     from specrun.bench.report import add_roofline, annotate_divergences, render, summarize
     from specrun.bench.runner import (
         DEFAULT_RUNS,
@@ -81,7 +82,6 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
         plan,
         run_bench,
     )
-    from specrun.bench.llama_cpp import NOTE as LLAMA_NOTE
     from specrun.cli.generate import encode_prompt, load_for_cli
 
     if (prompt is None) == (prompt_file is None):
@@ -162,7 +162,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
             "sampling": {k: getattr(params, k) for k in params.__dataclass_fields__},
             "engine": dataclasses.asdict(base)}
     report = summarize(ms, {spec.name: spec.kind for spec, _ in planned}, lens, params.greedy, notes, meta)
-    from specrun.decoding.neartie import check_divergence
+    from specrun.bench.neartie import check_divergence
 
     run_params = bench_params(params, n)  # as run_bench ran them
     annotate_divergences(report, ms, lambda ref, toks: check_divergence(lm, prompt_ids, run_params, ref, toks,

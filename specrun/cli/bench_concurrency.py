@@ -19,8 +19,8 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
                       as_json, kw) -> None:
     from specrun.bench.concurrency import prompt_variants, run_concurrency, summarize_concurrency
     from specrun.cli.generate import encode_prompt, load_for_cli
-    from specrun.decoding.decoder import FusedDecoder
-    from specrun.decoding.paged_attention import resolve_backend
+    from specrun.decoding.forward.decoder import FusedDecoder
+    from specrun.decoding.forward.paged_attention import resolve_backend
     from specrun.models.loader import resolve_dtype
 
     levels = int_list(levels, "--concurrency")

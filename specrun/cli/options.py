@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from specrun.decoding.attention import BACKENDS
-from specrun.decoding.drafters import DRAFTER_NAMES
+from specrun.decoding.drafters.protocol import DRAFTER_NAMES
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.forward.attention import BACKENDS
+from specrun.decoding.verify.sampling import SamplingParams
 
 
 def stack_options(*decorators):

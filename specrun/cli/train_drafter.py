@@ -34,7 +34,7 @@ def train_drafter(model, dtype, device, trust_remote_code, data, out, seq_len, s
       specrun train-drafter --model smollm2 --data generations.jsonl --out drafters/smollm2
       specrun train-drafter --model /models/Llama-3.1-8B --data a.jsonl --out d --device cuda --steps 4000
     """
-    from specrun.decoding.recurrent_files import save_drafter
+    from specrun.decoding.drafters.recurrent_files import save_drafter
     from specrun.train.data import check_data_files
     from specrun.train.recurrent import fit_recurrent
 

@@ -12,22 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
-from specrun.decoding.budget import BudgetTuner
-from specrun.decoding.drafters import MERGE_PRIORITY, NOISE_COUPLED, Drafter, NGramDrafter, Verified
+from specrun.decoding.drafters.heads import DraftHeads
+from specrun.decoding.drafters.protocol import MERGE_PRIORITY, NOISE_COUPLED, Drafter, NGramDrafter, Verified
+from specrun.decoding.drafters.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, quantized_rows
+from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
+from specrun.decoding.drafters.recycling import RecyclingMatrix
+from specrun.decoding.drafters.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter, resolve_drafting
-from specrun.decoding.heads import DraftHeads
-from specrun.decoding.paged_attention import check_paged_backend
-from specrun.decoding.paged_kv import SeqPages
-from specrun.decoding.paged_runner import PagedRunner
-from specrun.decoding.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, quantized_rows
-from specrun.decoding.quant_draft import draft_batch as quant_batch
-from specrun.decoding.recycling import RecyclingMatrix
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.self_draft import BatchedSelfDrafter, draft_batch
-from specrun.decoding.sequence import Sequence
-from specrun.decoding.shadow import Shadow, shadowable
+from specrun.decoding.forward.paged_attention import check_paged_backend
+from specrun.decoding.forward.paged_kv import SeqPages
+from specrun.decoding.forward.paged_runner import PagedRunner
 from specrun.decoding.stats import GenStats
-from specrun.decoding.trie import Trie, build_trie, record_sampled, walk
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.sequence import Sequence
+from specrun.decoding.verify.trie import Trie, build_trie, record_sampled, walk
+from specrun.decoding.width.shadow import Shadow, shadowable
+from specrun.decoding.width.tuner import WidthTuner
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class BatchEngine:
         self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
         self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
         self.quant = quantized_rows(self.runner.decoder) if "quant" in names else None
-        self._tuners: dict[int, BudgetTuner] = {}  # per number of active sequences: step cost depends on total rows
+        self._tuners: dict[int, WidthTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
 
@@ -181,12 +181,12 @@ class BatchEngine:
             a.pages.release()
             self.active.remove(a)
 
-    def _tuner(self, n: int) -> BudgetTuner | None:
+    def _tuner(self, n: int) -> WidthTuner | None:
         if not self.names or not self.config.adaptive_budget:
             return None
         if n not in self._tuners:  # the 4-bit chain's tuner as the solo engine's (a forward a drafted token)
             chain = self.quant is not None
-            self._tuners[n] = BudgetTuner(self.config.trie_budget, narrow_bounds=not chain,
+            self._tuners[n] = WidthTuner(self.config.trie_budget, narrow_bounds=not chain,
                                           chain=MAX_CHAIN + 1 if chain else 0)
         return self._tuners[n]
 

@@ -11,27 +11,36 @@ from typing import TYPE_CHECKING, Callable, Generator
 
 import torch
 
-from specrun.decoding.attention import check_backend
-from specrun.decoding.budget import BudgetTuner
-from specrun.decoding.drafters import (
-    AUTO_DRAFTERS, DRAFTER_NAMES, MERGE_PRIORITY, NEEDS_DRAFTER, NEEDS_HEADS, NEEDS_QUANT, NOISE_COUPLED, Drafter,
-    NGramDrafter, RecyclingDrafter, Verified,
+from specrun.decoding.drafters.heads import DraftHeads, load_heads
+from specrun.decoding.drafters.partial_kv import PartialKV
+from specrun.decoding.drafters.protocol import (
+    AUTO_DRAFTERS,
+    DRAFTER_NAMES,
+    MERGE_PRIORITY,
+    NEEDS_DRAFTER,
+    NEEDS_HEADS,
+    NEEDS_QUANT,
+    NOISE_COUPLED,
+    Drafter,
+    NGramDrafter,
+    RecyclingDrafter,
+    Verified,
 )
-from specrun.decoding.decoder import FusedDecoder
-from specrun.decoding.heads import DraftHeads, load_heads
-from specrun.decoding.partial_kv import PartialKV
-from specrun.decoding.quant_draft import MAX_CHAIN, QuantDrafter, quantized, quantized_rows
-from specrun.decoding.recurrent import DraftWeights, RecurrentDrafter
-from specrun.decoding.recurrent_files import builtin_drafter, load_drafter
-from specrun.decoding.recycling import RecyclingMatrix
-from specrun.decoding.runner import ModelRunner
-from specrun.decoding.static_step import StaticStep
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.sequence import Sequence
+from specrun.decoding.drafters.quant_draft import MAX_CHAIN, QuantDrafter, quantized, quantized_rows
+from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDrafter
+from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_drafter
+from specrun.decoding.drafters.recycling import RecyclingMatrix
+from specrun.decoding.drafters.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
+from specrun.decoding.forward.attention import check_backend
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.forward.static_step import StaticStep
 from specrun.decoding.stats import GenStats
-from specrun.decoding.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
-from specrun.decoding.shadow import Shadow, shadowable
-from specrun.decoding.trie import Draft, DraftContext, Trie, build_trie, merge_drafts, record_sampled, walk
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.sequence import Sequence
+from specrun.decoding.verify.trie import Draft, DraftContext, Trie, build_trie, merge_drafts, record_sampled, walk
+from specrun.decoding.width.shadow import Shadow, shadowable
+from specrun.decoding.width.tuner import WidthTuner
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -53,7 +62,7 @@ class EngineConfig:
     kv_mode: str = "dynamic"  # cache the self-draft forward reads: full | partial | dynamic
     kv_budget: int = 4096
     kv_sinks: int = 16
-    attention: str = "sdpa"  # attention backend (decoding/attention.py BACKENDS); fixed per job like the model
+    attention: str = "sdpa"  # attention backend (decoding/forward/attention.py BACKENDS); fixed per job like the model
     step_graphs: str = "auto"  # width-1 steps by static_step.py: on (CUDA graphs on CUDA, its eager twin elsewhere),
     # off, or auto (on where CUDA graphs run)
 
@@ -163,10 +172,10 @@ class Engine:
         # sampled text apart: the same widths pay differently (greedy text loops, the n-gram copy drafts its steps)
         chain = "quant" in names  # the 4-bit self-draft's chain leads every trie, a forward a token (sampled: it always
         # drafts; greedy: the n-gram copy drafts where it can)
-        self._tuners = {greedy: BudgetTuner(config.trie_budget, narrow_bounds=not chain,
+        self._tuners = {greedy: WidthTuner(config.trie_budget, narrow_bounds=not chain,
                                             chain=MAX_CHAIN + 1 if chain and not greedy else 0)
                         for greedy in (False, True)} if self.drafters and config.adaptive_budget else None
-        self.tuner: BudgetTuner | None = None  # the one of the generation in flight (or the last)
+        self.tuner: WidthTuner | None = None  # the one of the generation in flight (or the last)
         self._shadowing = self._tuners is not None and shadowable(names)
         self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
 

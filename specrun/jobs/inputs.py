@@ -20,8 +20,8 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.stops import check_stop_token_ids, check_stops
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.stops import check_stop_token_ids, check_stops
 from specrun.errors import InputError  # also imported from here
 from specrun.jobs.openai_in import from_openai
 from specrun.models.prompts import KINDS, check_token_ids, encode, max_text_bytes

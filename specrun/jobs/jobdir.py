@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,11 +19,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.errors import SpecrunError
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, read_json
-from specrun.storage.fs import fs_of, is_tmp_name, job_path, location as location_of
+from specrun.storage.fs import fs_of, is_tmp_name, job_path
+from specrun.storage.fs import location as location_of
 from specrun.storage.lock import JobLock, LockHeld, read_lock
 from specrun.storage.names import id_key
 from specrun.storage.records import Records

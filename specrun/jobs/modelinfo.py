@@ -24,7 +24,7 @@ def model_info(model: str, trust_remote_code: bool = False, rope_scaling: str | 
     rope_scaling: 'TYPE:FACTOR' (models/rope.py): max_context is the extended one."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from specrun.decoding.decoder import check_supported
+    from specrun.decoding.forward.decoder import check_supported
     from specrun.models.loader import model_fingerprint, resolve_model_dir
     from specrun.models.rope import apply_rope_scaling
 

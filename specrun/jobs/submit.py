@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specrun import __version__
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.inputs import read_prompts
 from specrun.jobs.jobdir import JobDir, JobError, engine_json, manifest_differences
 from specrun.jobs.modelinfo import ModelInfo

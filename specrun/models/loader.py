@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from specrun.decoding.kernel_build import cpu_flags
-from specrun.decoding.stops import first_stop
+from specrun.decoding.kernels.kernel_build import cpu_flags
+from specrun.decoding.verify.stops import first_stop
 from specrun.models.cache import is_cached
 from specrun.models.detokenize import decode_tokens  # also imported from here (the loader's public API)
 
@@ -102,7 +102,8 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
 
     ValueError naming a bad path, or the pip command when smollm2's package is missing.
     """
-    from specrun.models.smollm2 import NAME as SMOLLM2, smollm2_dir
+    from specrun.models.smollm2 import NAME as SMOLLM2
+    from specrun.models.smollm2 import smollm2_dir
     from specrun.models.tiny import DEMO_NAME, demo_model_dir
 
     if path == DEMO:
@@ -170,15 +171,11 @@ def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
     dev = parse_device(device)
     model_dir, is_demo = resolve_model_dir(path)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from specrun.models.tiny import quiet_progress_bars
-
-    from transformers import AutoConfig
-
-    from specrun.decoding.decoder import check_supported
-
+    from specrun.decoding.forward.decoder import check_supported
     from specrun.models.rope import apply_rope_scaling
+    from specrun.models.tiny import quiet_progress_bars
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     apply_rope_scaling(config, rope_scaling)

@@ -48,7 +48,7 @@ class TextDeltas:
         return text[len(before):] if text.startswith(before) else decode_tokens(self.tokenizer, self.pending)
 
     def _cut(self, text: str, final: bool) -> str:
-        from specrun.decoding.stops import first_stop
+        from specrun.decoding.verify.stops import first_stop
 
         text, self.held = self.held + text, ""
         cut = first_stop(text, self.stop) if self.stop else None

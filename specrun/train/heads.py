@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.heads import DraftHeads, model_dims, save_heads
+from specrun.decoding.drafters.heads import DraftHeads, model_dims, save_heads
 from specrun.train.data import pack_sequences
 
 ProgressFn = Callable[[int, int, float, float], None]  # (step, total_steps, loss, lr)

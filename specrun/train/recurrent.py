@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.heads import model_dims
-from specrun.decoding.recurrent import RecurrentDraft
+from specrun.decoding.drafters.heads import model_dims
+from specrun.decoding.drafters.recurrent import RecurrentDraft
 from specrun.train.data import pack_sequences
 from specrun.train.heads import _batches, _split, hidden_states, lr_factor
 

@@ -7,15 +7,21 @@ import dataclasses
 
 import pytest
 
-from specrun.actors.memory import AUTO_MAX, CPU_SHARE, GiB, _meminfo_available, check_concurrency, fit_concurrency, \
-    kv_budget_bytes
+from specrun.actors.memory import (
+    AUTO_MAX,
+    CPU_SHARE,
+    GiB,
+    _meminfo_available,
+    check_concurrency,
+    fit_concurrency,
+    kv_budget_bytes,
+)
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.batch_engine import BatchEngine
 from specrun.decoding.engine import Engine
-from specrun.decoding.sampling import SamplingParams
-from specrun.jobs.jobdir import PromptInfo
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.jobs.jobdir import JobError, PromptInfo
 from specrun.jobs.modelinfo import model_info
-from specrun.jobs.jobdir import JobError
 from specrun.jobs.workerspec import _batching
 
 
@@ -85,7 +91,7 @@ def test_a_worker_resolves_auto_at_load_from_its_memory(model, tmp_path, monkeyp
     assert w.info()["concurrency"] == 4 and isinstance(w.engine, BatchEngine)
     assert w.engine.batch.kv_tokens == 4 * 300
     # a budget for two sequences: auto seats two, an explicit 4 refuses to load
-    from specrun.decoding.paged_runner import kv_bytes_per_token
+    from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 
     two = 2 * 300 * kv_bytes_per_token(w.lm.model.config, w.lm.dtype)
     monkeypatch.setattr("specrun.actors.memory.kv_budget_bytes", lambda device, workers: two + 1)

@@ -9,9 +9,9 @@ import pytest
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.engine import Engine
-from specrun.models.loader import load_model
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.modelinfo import model_info
+from specrun.models.loader import load_model
 from specrun.storage.chunks import read_progress
 from specrun.storage.names import id_key
 

@@ -5,8 +5,8 @@ Benchmarks are not tests: these only check that the tools run end to end and rep
 
 from __future__ import annotations
 
-import json
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -90,7 +90,7 @@ def test_proxy_model_script_smoke(tmp_path, capsys):
 def test_lockstep_runs_match_runs_alone_and_time_only_their_own_steps(load_fixture):
     from specrun.bench.runner import run_lockstep
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.sampling import SamplingParams
+    from specrun.decoding.verify.sampling import SamplingParams
 
     lm = load_fixture("llama_gqa")
     prompt = lm.tokenizer.encode("abcabc abcabc")
@@ -110,7 +110,7 @@ def test_lockstep_runs_match_runs_alone_and_time_only_their_own_steps(load_fixtu
 def test_run_bench_steps_its_specrun_runs_together_only_in_lockstep(load_fixture, monkeypatch, lockstep):
     from specrun.bench import runner
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.sampling import SamplingParams
+    from specrun.decoding.verify.sampling import SamplingParams
 
     lm = load_fixture("llama_gqa")
     groups = []
@@ -134,9 +134,9 @@ def test_bench_one_by_one_runs_the_same_table(tiny_models):
 
 def _ar_and_a_real_divergence(load_fixture):
     """-> lm, prompt, params, AR's 10 tokens, and those tokens with the 5th replaced by AR's runner-up there"""
+    from specrun.bench.neartie import ar_scores
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.neartie import ar_scores
-    from specrun.decoding.sampling import SamplingParams
+    from specrun.decoding.verify.sampling import SamplingParams
 
     lm = load_fixture("llama_gqa")
     prompt = lm.tokenizer.encode("abc abc")
@@ -147,9 +147,9 @@ def _ar_and_a_real_divergence(load_fixture):
 
 
 def test_divergent_run_gets_first_diff_gap_and_verdict(load_fixture):
+    from specrun.bench.neartie import check_divergence
     from specrun.bench.report import annotate_divergences, summarize
     from specrun.bench.runner import Measurement
-    from specrun.decoding.neartie import check_divergence
 
     lm, prompt, params, ref, other = _ar_and_a_real_divergence(load_fixture)
     ms = [Measurement("specrun_ar", 0, ref, 1.0, stats={"mean_accepted": 1.0}),

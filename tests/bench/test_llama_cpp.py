@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.bench.runner import _LengthClock
 from specrun.cli import main
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 
 
 class FakeLlama:

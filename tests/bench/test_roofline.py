@@ -3,7 +3,7 @@
 import torch
 
 from specrun.bench.roofline import read_bandwidth, roofline, step_weight_bytes
-from specrun.decoding.paged_runner import kv_bytes_per_token
+from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 from specrun.models.loader import load_model
 
 

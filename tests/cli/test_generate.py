@@ -7,8 +7,8 @@ from click.testing import CliRunner
 
 from specrun.cli import main
 from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.models.loader import load_model
-from specrun.decoding.sampling import SamplingParams
 
 
 def run(*args):

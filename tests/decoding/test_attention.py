@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.attention import attend_lse, merge_states
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.trie import Draft, build_trie
+from specrun.decoding.forward.attention import attend_lse, merge_states
+from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.trie import Draft, build_trie
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -6,11 +6,11 @@ import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.dense_attention import attend_dense, dense_rows
-from specrun.decoding.paged_attention import attend_paged, attend_sdpa, resolve_backend, sdpa_spans
-from specrun.decoding.paged_kv import PagePool
-from specrun.decoding.plan import build_plan, packbits, unpackbits
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.forward.dense_attention import attend_dense, dense_rows
+from specrun.decoding.forward.paged_attention import attend_paged, attend_sdpa, resolve_backend, sdpa_spans
+from specrun.decoding.forward.paged_kv import PagePool
+from specrun.decoding.forward.plan import build_plan, packbits, unpackbits
+from specrun.decoding.verify.sampling import SamplingParams
 from tests.decoding.test_attention import CUDA
 
 REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat"
@@ -84,7 +84,7 @@ def test_dense_equals_sdpa_on_random_ragged_tries(dtype, monkeypatch):
     tol = 1e-12 if dtype == torch.float64 else 2e-2
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     assert dense_rows(build_plan(seqs[:1], masks[:1], pack_mask=False), Hkv, Hq // Hkv, "cpu") is None  # one: sdpa
-    monkeypatch.setattr("specrun.decoding.dense_attention.DENSE_MAX_SCORES", 6 * Hkv * 192 * 3 * 17 * 4 - 1)
+    monkeypatch.setattr("specrun.decoding.forward.dense_attention.DENSE_MAX_SCORES", 6 * Hkv * 192 * 3 * 17 * 4 - 1)
     assert dense_rows(plan, Hkv, Hq // Hkv, "cpu") is None  # scores over the cap: the per-sequence path
 
 
@@ -95,7 +95,7 @@ def test_auto_backend_is_dense_only_on_cpu_in_reduced_precision():
 
 
 def test_auto_backend_is_flashinfer_on_cuda_where_it_is_installed_and_fits(monkeypatch):
-    from specrun.decoding import paged_attention
+    from specrun.decoding.forward import paged_attention
 
     monkeypatch.setattr(paged_attention, "flashinfer_available", lambda: True)
     assert resolve_backend("auto", torch.bfloat16, "cuda", 128) == "flashinfer"
@@ -220,7 +220,7 @@ def test_pool_too_small_for_a_request_is_a_clear_error(load_fixture):
 @CUDA
 def test_flashinfer_equals_paged_on_random_ragged_tries():
     pytest.importorskip("flashinfer", reason="needs flashinfer (pip install 'specrun[cuda]')")
-    from specrun.decoding.paged_attention import FlashInferAttention
+    from specrun.decoding.forward.paged_attention import FlashInferAttention
 
     gen = torch.Generator().manual_seed(0)
     Hq, Hkv, D = 8, 2, 128  # the head size of the GPU check's 8B shape: one JIT build of flashinfer serves both

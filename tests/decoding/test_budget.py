@@ -2,11 +2,13 @@
 
 import pytest
 
-from specrun.decoding.budget import (COST_WINDOW, EMA, EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR, STAY_MARGIN,
-                                     WIDER_MARGIN, BudgetTuner, candidate_widths)
-from specrun.decoding.cpu_kernels import cpu_kernels
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.width.acceptance import EMA
+from specrun.decoding.width.costs import COST_WINDOW
+from specrun.decoding.width.explore import EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR
+from specrun.decoding.width.tuner import STAY_MARGIN, WIDER_MARGIN, WidthTuner, candidate_widths
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
 
@@ -17,10 +19,10 @@ def test_candidate_widths():
     assert candidate_widths(1) == [1]
     assert candidate_widths(64, fine=True) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     assert candidate_widths(20, fine=True) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
-    assert BudgetTuner(16, narrow_bounds=False).widths == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert WidthTuner(16, narrow_bounds=False).widths == [1, 2, 3, 4, 6, 8, 12, 16]
 
 
-def _timed(t: BudgetTuner, cost: dict, path=(1, 3, 6), steps=200) -> None:
+def _timed(t: WidthTuner, cost: dict, path=(1, 3, 6), steps=200) -> None:
     for w in cost:  # timed steps make a width's cost known (a width timed once is timed again first)
         t.observe(w, [], cost[w])
         t.observe(w, [], cost[w])
@@ -29,14 +31,14 @@ def _timed(t: BudgetTuner, cost: dict, path=(1, 3, 6), steps=200) -> None:
 
 
 def test_observe_credits_each_width_with_the_path_prefix_it_would_have_kept():
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     _timed(t, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
     assert [round(t.accepted[w], 3) for w in (1, 2, 4, 8)] == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_choice_trades_acceptance_against_cost_and_explores():
     cost = {1: 1.0, 2: 1.0, 4: 1.1, 8: 4.0}
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     _timed(t, cost)
     picks = [t.choose() for _ in range(2 * EXPLORE_EVERY)]
     assert picks.count(4) == len(picks) - 2  # 3 tokens for 1.1 beats 4 for 4.0
@@ -46,7 +48,7 @@ def test_choice_trades_acceptance_against_cost_and_explores():
 def test_a_wider_width_must_beat_the_narrower_by_the_margin():
     """Sampled text: width 2's drafts are accepted now and then; a gain below the margin keeps plain AR steps."""
     for every, wanted in ((50, 1), (5, 2)):
-        t = BudgetTuner(2)
+        t = WidthTuner(2)
         t.observe(1, [], 1.0)
         t.observe(1, [], 1.0)
         t.observe(2, [], 1.0)
@@ -62,7 +64,7 @@ def test_a_wider_width_must_beat_the_narrower_by_the_margin():
 def test_no_width_is_costed_below_plain_ar():
     """Costs are minima over windows of different ages: width 2's fast minimum from a quiet spell against plain AR's
     fresh one from a slow spell must not make drafts that miss look cheaper than plain steps."""
-    t = BudgetTuner(4)
+    t = WidthTuner(4)
     for w, seconds in ((1, 1.0), (1, 1.0), (2, 0.9), (2, 0.9), (4, 0.95), (4, 0.95)):
         t.observe(w, [], seconds)  # no draft accepted: every width is worth one token a step
     for _ in range(COST_WINDOW):
@@ -72,7 +74,7 @@ def test_no_width_is_costed_below_plain_ar():
     assert [t.choose() for _ in range(EXPLORE_EVERY_AR - 2)] == [1] * (EXPLORE_EVERY_AR - 2)
 
 
-def lead(t: BudgetTuner, rival: int, held: int) -> float:
+def lead(t: WidthTuner, rival: int, held: int) -> float:
     """How far the rival width's estimated tokens per second lead the held width's (0.03 = 3%)."""
     return (t.accepted[rival] / t.estimated_cost(rival)) / (t.accepted[held] / t.estimated_cost(held)) - 1
 
@@ -80,7 +82,7 @@ def lead(t: BudgetTuner, rival: int, held: int) -> float:
 def test_the_width_in_use_keeps_its_place_unless_another_beats_it_by_the_stay_margin():
     """A slow spell lifts the cost of the width in use while a rival keeps the minimum of a quieter spell: a rival
     ahead by less than the margin does not take over; one ahead by more does."""
-    t = BudgetTuner(8, narrow_bounds=False)
+    t = WidthTuner(8, narrow_bounds=False)
     for w, seconds in ((1, 1.0), (1, 1.0), (2, 1.6), (2, 1.6), (3, 2.2), (3, 2.2), (4, 2.8), (4, 2.8), (6, 3.6),
                        (6, 3.6), (8, 6.0), (8, 6.0)):
         t.observe(w, [1, 2, 3, 4, 5] if w == 8 else list(range(1, w)), seconds)  # every drafted node accepted
@@ -98,7 +100,7 @@ def test_the_width_in_use_keeps_its_place_unless_another_beats_it_by_the_stay_ma
 
 
 def test_a_stale_slow_width_does_not_hold_back_the_wider_ones():
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     for w, seconds in ((1, 1.0), (1, 1.0), (2, 1.0), (2, 1.0), (4, 5.0), (4, 5.0), (8, 1.1), (8, 1.1)):
         t.observe(w, [], seconds)  # width 4 was only ever timed in a slow spell
     for _ in range(20):
@@ -111,7 +113,7 @@ def test_unmeasured_widths_cost_double_for_each_width_skipped():
     """Shadow tries can credit a 64-node trie with more tokens than narrower ones before it was ever timed: its cost is
     not the 2-node step's (a jump from width 2 to 64 once cost 8 plain steps a step); the next width up is explored at
     the measured cost, each one past it at twice the one before."""
-    t = BudgetTuner(64)
+    t = WidthTuner(64)
     for w in (1, 1, 2, 2):
         t.observe(w, [], 1.0)
     assert [t.estimated_cost(w) for w in t.widths] == [1.0, 1.0, 1.0, 2.0, 4.0, 8.0, 16.0]
@@ -122,7 +124,7 @@ def test_unmeasured_widths_cost_double_for_each_width_skipped():
 def test_shadows_can_lead_past_a_width_whose_nodes_miss():
     """Drafts whose first nodes miss and later ones hit: width 4 gains nothing, width 8 much; skipping one width is
     worth it when the shadows say so (it is then timed and costed as measured)."""
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     for w in (1, 1, 2, 2):
         t.observe(w, [], 1.0)
     for _ in range(10):
@@ -136,7 +138,7 @@ def test_a_step_drafting_fewer_nodes_than_its_width_is_timed_as_the_narrower_wid
     """A drafter with nothing to propose on one step in three (n-gram on sampled text): those wider steps verify the
     root alone, at plain AR's cost. Counted as the width's, its minimum made drafting look free and 1.33 tokens a step
     (shadow tries) beat AR's one (seen at 0.81x AR); timed as what they verified, wider steps cost 1.4 and AR wins."""
-    t = BudgetTuner(4)
+    t = WidthTuner(4)
     w, wide = t.choose(), 0
     for k in range(600):
         nodes = w if k % 3 else 1  # the drafter proposes on two steps in three
@@ -157,14 +159,14 @@ def test_a_step_drafting_fewer_nodes_than_its_width_is_timed_as_the_narrower_wid
 def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
     """8 sequences, one of which accepted a draft: the batch's 1.125 tokens per sequence moves the estimate once, as
     one sequence's step would (8 separate observations would weigh that one hit 8 times over)."""
-    batched, solo = BudgetTuner(2), BudgetTuner(2)
+    batched, solo = WidthTuner(2), WidthTuner(2)
     for _ in range(100):
         batched.observe_batch(2, [[]] * 8, 1.0)
         solo.observe(2, [], 1.0)
     batched.observe_batch(2, [[1]] + [[]] * 7, 1.0)
     solo.observe(2, [], 1.0)
     assert batched.accepted[2] - solo.accepted[2] == pytest.approx(EMA * 0.125)
-    apart = BudgetTuner(2)  # the same 8 sequences fed as 8 observations: the hit weighs 8 times over
+    apart = WidthTuner(2)  # the same 8 sequences fed as 8 observations: the hit weighs 8 times over
     for _ in range(100):
         apart.observe(2, [], 1.0)
     apart.observe(2, [1], 1.0)
@@ -174,7 +176,7 @@ def test_a_batch_step_is_one_observation_of_its_mean_acceptance():
 
 
 def test_starts_with_plain_steps_and_falls_back_to_width_1_fast_when_drafts_miss():
-    t = BudgetTuner(64)
+    t = WidthTuner(64)
     assert t.choose() == 1  # nothing measured: time width 1 first
     t.observe(1, [], 1.0)
     assert t.choose() == 1  # and again: a first step pays one-off set-up
@@ -195,7 +197,7 @@ def test_the_hold_never_keeps_a_width_against_plain_ar_once_drafts_miss():
     """Drafts hit, then every one misses, and a wider step costs only 5% more than a plain one (under the stay
     margin): the width in use is not held against plain AR, which takes over once the acceptance estimate (an EMA
     from ~3 tokens) says drafting no longer pays, ~35 steps, as it did before the hold (held, it never did)."""
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     picks = []
     for step in range(400):
         w = t.choose()
@@ -213,7 +215,7 @@ def test_a_cold_first_step_does_not_keep_a_width_out(slow_steps):
     EXPLORE_EVERY_AR steps while a wider width wins (a slow spell over both first steps), so a stale cost cannot keep
     the tuner on drafts that are never accepted (seen on smollm2, 8 sampled sequences: ~100 steps at widths 2-4)."""
     true_cost = {1: 34.0, 2: 45.0, 4: 46.0, 8: 83.0}
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     picks = []
     for _ in range(EXPLORE_EVERY_AR + 20):
         w = t.choose()
@@ -224,7 +226,7 @@ def test_a_cold_first_step_does_not_keep_a_width_out(slow_steps):
 
 def test_exploring_backs_off_while_drafts_keep_missing():
     """Sampled text: every wider step costs 1.3x and finds nothing; the gaps between them double up to a cap."""
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     wider = []
     for step in range(1, 1100):
         w = t.choose()
@@ -236,7 +238,7 @@ def test_exploring_backs_off_while_drafts_keep_missing():
 
 
 def test_slow_outliers_do_not_make_a_width_look_expensive():
-    t = BudgetTuner(2)
+    t = WidthTuner(2)
     t.observe(1, [], 5.0)  # a one-off set-up cost (a new shape)
     t.observe(1, [], 1.0)
     t.observe(1, [], 9.0)  # another process took the core for a while
@@ -259,13 +261,13 @@ def test_adaptive_width_changes_nothing_in_the_output(load_fixture):
 def test_narrow_steps_do_not_wear_down_wider_widths_that_shadows_measure():
     """A drafter whose deeper nodes pay: steps at width 2 see at most one drafted token, shadows of the full trie see
     three. Once shadows come in, the narrow steps' lower bound no longer drags the wider estimates down to width 2's."""
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     t.observe_shadow([[1, 2, 3]])  # the full trie accepted three drafted nodes
     for _ in range(50):
         t.observe(2, [1], 1.0)  # width 2 accepts its one drafted node every time
     assert t.accepted[2] == pytest.approx(2.0, abs=0.05)
     assert t.accepted[8] > 3.0  # the prior (4) and the shadow (4 tokens), untouched by width 2's bound of 2
-    unshadowed = BudgetTuner(8)
+    unshadowed = WidthTuner(8)
     for _ in range(50):
         unshadowed.observe(2, [1], 1.0)
     assert unshadowed.accepted[8] == pytest.approx(2.0, abs=0.05)  # without shadows the bound is all it knows
@@ -276,7 +278,7 @@ def test_without_narrow_bounds_wider_widths_learn_only_from_their_own_steps(hits
     """The 4-bit self-draft's tuner (narrow_bounds off): width 2's steps, whether they fill their width or miss, leave
     width 4's measured 3 tokens alone, and width 4 wins (3 per 2.5 s against 3 per 2.6 s at width 3, 2 per 2 s, 1 per
     1 s)."""
-    t = BudgetTuner(4, narrow_bounds=False)
+    t = WidthTuner(4, narrow_bounds=False)
     t.observe(1, [], 1.0)
     t.observe(1, [], 1.0)
     for _ in range(3):
@@ -294,7 +296,7 @@ def test_the_first_shadow_replaces_the_lower_bounds_narrow_steps_left_on_wider_w
     """Before any shadow, width-2 steps that missed wear every wider estimate down to ~1 token (a bound, not a
     measurement); the first shadow's exact acceptance replaces that, so a passage that starts repeating is seen
     at once, not after ~1/EMA shadows (a looping text spent most of a 256-token generation at width 1)."""
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     for _ in range(30):
         t.observe(2, [], 1.0)  # width 2's drafted node missed: every width's estimate falls towards 1 token
     assert t.accepted[8] < 1.1
@@ -305,14 +307,14 @@ def test_the_first_shadow_replaces_the_lower_bounds_narrow_steps_left_on_wider_w
 
 
 
-def _chain(t: BudgetTuner, w: int, accepted: int, seconds: float) -> None:
+def _chain(t: WidthTuner, w: int, accepted: int, seconds: float) -> None:
     t.observe(w, list(range(1, accepted + 1)), seconds, w)
 
 
 def test_a_chain_width_is_costed_against_the_width_in_use_side_by_side():
     """Width 8 timed beside width 6 (8 s to 6 s); the host then slows by half while 6 is in use: 8's cost follows 6's
     (its own minimum stays at 8 s), plain AR's too. A width's first step (its set-up) is no chain width's cost."""
-    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    t = WidthTuner(16, narrow_bounds=False, chain=16)
     for w, s in ((1, 9.0), (6, 60.0), (8, 80.0), (6, 6.0), (6, 6.0), (1, 4.0), (6, 6.0), (8, 8.0)):
         _chain(t, w, w - 1, s)
     assert t.chain_costs(6) == pytest.approx({6: 6.0, 8: 8.0, 1: 4.0})
@@ -326,17 +328,17 @@ def test_a_chain_width_is_costed_against_the_width_in_use_side_by_side():
 def test_a_width_explored_after_a_gap_stands_for_the_steps_since():
     """Width 8 is verified every EXPLORE_EVERY steps only: one observation then moves its ratio to width 6 as
     EXPLORE_EVERY of them would (a ratio pulled to ~1 by a hard passage otherwise took ~500 steps to recover)."""
-    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    t = WidthTuner(16, narrow_bounds=False, chain=16)
     for _ in range(40):
         t.step += 1
         _chain(t, 8, 7, 8.0)  # both widths accept their whole chain: 8 tokens to 6
     for _ in range(200):
         t.step += 1
         _chain(t, 8, 3, 8.0)  # a hard passage: both accept 3 drafted tokens
-    assert t._pair[8][0] / t._pair[8][1] == pytest.approx(1.0, abs=0.01)
+    assert t.acceptance.pair[8][0] / t.acceptance.pair[8][1] == pytest.approx(1.0, abs=0.01)
     t.step += EXPLORE_EVERY
     _chain(t, 8, 7, 8.0)  # easy again, 8 verified once after a gap
-    ratio = t._pair[8][0] / t._pair[8][1]
+    ratio = t.acceptance.pair[8][0] / t.acceptance.pair[8][1]
     assert ratio > 1.1  # at CHAIN_EMA alone: ~1.01
 
 
@@ -344,7 +346,7 @@ def test_a_hard_passage_does_not_make_the_next_wider_chain_width_look_better():
     """Width 6 in use, 8 explored now and then (7 tokens to 6 on the same steps), then a hard passage. Width 8's own
     mean is of its few steps before it; judged by its ratio to width 6 on the steps that verified both, it stays behind,
     and the narrow widths that the hard passage favours win."""
-    t = BudgetTuner(16, narrow_bounds=False, chain=16)
+    t = WidthTuner(16, narrow_bounds=False, chain=16)
     cost = {w: w + 3.0 for w in t.widths}
     cost[1] = 4.5
     for w in (1, 1, 2, 2, 3, 3, 4, 4):

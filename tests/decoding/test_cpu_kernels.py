@@ -4,9 +4,9 @@ for a row whatever runs beside it, and a clean fallback to torch's path where th
 import pytest
 import torch
 
-import specrun.decoding.cpu_kernels as ck
-import specrun.decoding.kernel_build as kb
-from specrun.decoding.linear import Linear
+import specrun.decoding.kernels.cpu_kernels as ck
+import specrun.decoding.kernels.kernel_build as kb
+from specrun.decoding.forward.linear import Linear
 
 kernels = ck.cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.cpu_kernels import cpu_kernels
-from specrun.decoding.cpu_layers import CpuLayers
-from specrun.decoding.decoder import FusedDecoder
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.paged_runner import PagedRunner
-from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.forward.cpu_layers import CpuLayers
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.paged_runner import PagedRunner
+from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
 
@@ -188,7 +188,7 @@ def test_a_batched_worker_runs_each_sequence_as_its_solo_run(tmp_path, dtype, ba
 def test_kept_queries_change_nothing_and_drafting_with_heads_equals_ar(tmp_path, dtype):
     """A verify that keeps its queries (the self-drafter's KV importance) runs the one call too: the same hidden states
     as without them, the torch path's queries up to the layers' rounding, and heads drafting equal to AR."""
-    from specrun.decoding.heads import DraftHeads
+    from specrun.decoding.drafters.heads import DraftHeads
 
     lm = _tiny(tmp_path, dtype=dtype)
     runner = ModelRunner(lm, max_rows=16)

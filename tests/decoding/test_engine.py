@@ -7,8 +7,8 @@ import torch
 from scipy import stats
 
 from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.verify.sampling import SamplingParams, process_logits
 from specrun.models.loader import load_model
-from specrun.decoding.sampling import SamplingParams, process_logits
 from specrun.models.tiny import build_tiny_model
 
 FIXTURES = ["llama_mha", "llama_gqa", "qwen2", "qwen3", "mistral", "llama_bigvocab"]

@@ -5,10 +5,10 @@ here."""
 import pytest
 import torch
 
+from specrun.bench.neartie import check_divergence
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.neartie import check_divergence
-from specrun.decoding.sampling import SamplingParams, _bits, _key, gumbel_noise, process_logits, sample
-from specrun.decoding.static_step import MIN_BUCKET, bucket_of, chunk_size
+from specrun.decoding.forward.static_step import MIN_BUCKET, bucket_of, chunk_size
+from specrun.decoding.verify.sampling import SamplingParams, _bits, _key, gumbel_noise, process_logits, sample
 from tests.decoding.test_attention import CUDA
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
@@ -47,7 +47,7 @@ def test_static_step_generates_the_eager_tokens(load_fixture, device, params):
 @pytest.mark.parametrize("device", DEVICES)
 def test_split_buckets_attend_as_one_pass(load_fixture, device, monkeypatch):
     """Every bucket split in chunks (split-KV, merged by log-sum-exp), sampled float32: the eager tokens."""
-    from specrun.decoding import static_step
+    from specrun.decoding.forward import static_step
 
     monkeypatch.setattr(static_step, "SPLIT_FROM", MIN_BUCKET)
     monkeypatch.setattr(static_step, "MIN_CHUNKS", 2)
@@ -63,8 +63,8 @@ def test_split_bucket_hidden_state_is_the_eager_one(load_fixture, monkeypatch, k
     """float64, slot 2,100 of a 4,096 bucket in 16 chunks of 256 (the last 7 see nothing): the static step's hidden
     state is the eager forward's to 1e-10, also where the chunk kernel returns lse 0 and output 0 for a blind chunk,
     as CUDA's efficient attention does (such chunks counting in the merge shrank the attention by a few %)."""
-    from specrun.decoding import static_step
-    from specrun.decoding.runner import ModelRunner
+    from specrun.decoding.forward import static_step
+    from specrun.decoding.forward.runner import ModelRunner
 
     if kernel != "own":
         chunks = static_step._chunks_lse

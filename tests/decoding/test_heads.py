@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specrun.decoding.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads, load_heads, save_heads
+from specrun.decoding.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads, load_heads, save_heads
 from specrun.train.heads import hidden_states
 
 

@@ -6,13 +6,13 @@ import random
 import pytest
 import torch
 
-import specrun.decoding.sampling as sampling
-from specrun.decoding.cpu_kernels import cpu_kernels
+import specrun.decoding.verify.sampling as sampling
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.penalty import PenaltyWindow
-from specrun.decoding.sampling import SamplingParams, kernel_sampling, process_logits, sample, sample_in_kernel
-from specrun.decoding.sequence import Sequence
-from specrun.decoding.trie import Draft, build_trie
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.penalty import PenaltyWindow
+from specrun.decoding.verify.sampling import SamplingParams, kernel_sampling, process_logits, sample, sample_in_kernel
+from specrun.decoding.verify.sequence import Sequence
+from specrun.decoding.verify.trie import Draft, build_trie
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
 LONG_TEXT = dict(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=64)
@@ -113,7 +113,7 @@ def test_kernel_takes_only_the_settings_it_computes():
 @needs_kernels
 def test_sequence_falls_back_to_torch_on_a_nan_row(monkeypatch):
     tried = []
-    monkeypatch.setattr("specrun.decoding.sampling.sample_in_kernel",
+    monkeypatch.setattr("specrun.decoding.verify.sampling.sample_in_kernel",
                         lambda *a: tried.append(1) or sample_in_kernel(*a))
     p = SamplingParams(max_tokens=8, **LONG_TEXT)
     st = Sequence([1, 2, 3], p, [], vocab_size=50, eos_ids=(), tokenizer=None, max_context=64, spare=4,
@@ -139,11 +139,11 @@ def test_speculative_generation_through_the_kernel_equals_ar_and_the_torch_path(
         calls.append(args[0].shape[0])
         return real(*args)
 
-    monkeypatch.setattr("specrun.decoding.sampling.sample_in_kernel", counted)
+    monkeypatch.setattr("specrun.decoding.verify.sampling.sample_in_kernel", counted)
     spec_config = EngineConfig(drafters=("ngram", "recycling"), trie_budget=16, adaptive_budget=False)
     spec = Engine(lm, spec_config).generate(prompt, p).token_ids
     ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, p).token_ids
     assert calls and max(calls) > 1  # tries of several nodes went through the kernel, and AR's single rows
-    monkeypatch.setattr("specrun.decoding.sampling.kernel_sampling", lambda *a: False)
+    monkeypatch.setattr("specrun.decoding.verify.sampling.kernel_sampling", lambda *a: False)
     torch_spec = Engine(lm, spec_config).generate(prompt, p).token_ids
     assert spec == ar == torch_spec and len(spec) == 120

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.cpu_kernels import cpu_kernels
-from specrun.decoding.linear import Linear
+from specrun.decoding.forward.linear import Linear
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 
 
 @pytest.mark.parametrize("bias", [False, True])

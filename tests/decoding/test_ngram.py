@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from specrun.decoding.drafters import NGramDrafter
-from specrun.decoding.ngram import NGramPool, SuffixCopy
-from specrun.decoding.trie import DraftContext
+from specrun.decoding.drafters.ngram import NGramPool, SuffixCopy
+from specrun.decoding.drafters.protocol import NGramDrafter
+from specrun.decoding.verify.trie import DraftContext
 
 A, B = (1, 2, 3), (4, 5, 6)
 

@@ -7,9 +7,9 @@ import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.sampling import SamplingParams, process_logits
 from specrun.decoding.stats import ORACLE_DEPTHS, GenStats
-from specrun.decoding.trie import likeliest
+from specrun.decoding.verify.sampling import SamplingParams, process_logits
+from specrun.decoding.verify.trie import likeliest
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
 

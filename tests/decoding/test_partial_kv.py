@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from specrun.decoding.drafters.heads import DraftHeads
+from specrun.decoding.drafters.partial_kv import PartialKV, importance, select_top
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.heads import DraftHeads
-from specrun.decoding.kv_cache import KVCache
-from specrun.decoding.partial_kv import PartialKV, importance, select_top
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.forward.kv_cache import KVCache
+from specrun.decoding.verify.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2), (8, 1)])

@@ -4,8 +4,8 @@ import random
 
 import torch
 
-from specrun.decoding.penalty import PenaltyWindow
-from specrun.decoding.trie import Draft, build_trie
+from specrun.decoding.verify.penalty import PenaltyWindow
+from specrun.decoding.verify.trie import Draft, build_trie
 
 
 def brute_presence(seq, path, window, vocab):

@@ -4,21 +4,21 @@ the model's own over the same weights, AR's tokens drafted, and an output that i
 import pytest
 import torch
 
-from specrun.decoding import quant_torch
+from specrun.bench.neartie import check_divergence
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.cpu_kernels import cpu_kernels
-from specrun.decoding.decoder import FusedDecoder
+from specrun.decoding.drafters import quant_torch
+from specrun.decoding.drafters.quant_draft import KernelForward, QuantDrafter, quantized
+from specrun.decoding.drafters.quant_torch import Int4Linear, Int8Linear, TorchForward, on_grid
+from specrun.decoding.drafters.quant_torch import rescore as torch_rescore
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.kv_cache import KVCache
-from specrun.decoding.kv_codes import KVCodes
-from specrun.decoding.neartie import check_divergence
-from specrun.decoding.quant import quantizable, quantize
-from specrun.decoding.quant_draft import KernelForward, QuantDrafter, quantized
-from specrun.decoding.quant_torch import Int4Linear, Int8Linear, TorchForward, on_grid
-from specrun.decoding.quant_torch import rescore as torch_rescore
-from specrun.decoding.runner import ModelRunner
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.trie import DraftContext
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.kv_cache import KVCache
+from specrun.decoding.forward.kv_codes import KVCodes
+from specrun.decoding.forward.quant import quantizable, quantize
+from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.trie import DraftContext
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.decoder import FusedDecoder
+from specrun.decoding.drafters.quant_draft import quantized
+from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDraft, _processed, draft_tree
+from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_drafter, model_signature, save_drafter
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.quant_draft import quantized
-from specrun.decoding.recurrent import DraftWeights, RecurrentDraft, _processed, draft_tree
-from specrun.decoding.recurrent_files import builtin_drafter, load_drafter, model_signature, save_drafter
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.sequence import Sequence
-from specrun.decoding.trie import build_trie
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.sequence import Sequence
+from specrun.decoding.verify.trie import build_trie
 from specrun.train.heads import hidden_states
 from specrun.train.recurrent import fit_recurrent
 
@@ -101,7 +101,7 @@ def test_draft_tree_is_best_first_and_within_budget(lm, trained):
 def test_noise_on_kept_tokens_only_drafts_the_same_tree(lm, trained, params, monkeypatch):
     """Drafting computes the Gumbel noise only where truncation kept tokens (few pairs) and a whole row otherwise:
     the tree is the one a whole row gives, node for node (torch's path: our kernel takes min-p levels where it loads)."""
-    import specrun.decoding.recurrent as recurrent
+    import specrun.decoding.drafters.recurrent as recurrent
 
     monkeypatch.setattr(recurrent, "kernel_sampling", lambda p, z: False)
 
@@ -130,8 +130,8 @@ def test_noise_on_kept_tokens_only_drafts_the_same_tree(lm, trained, params, mon
 def test_the_kernel_drafts_the_torch_paths_tree(lm, trained, params, monkeypatch):
     """A drafter level in one call of our CPU kernel (processing, min-p, the kept tokens' noise, top-k, logsumexp)
     drafts the tree torch's ops draft, node for node, with the same path probabilities."""
-    import specrun.decoding.recurrent as recurrent
-    from specrun.decoding.cpu_kernels import cpu_kernels
+    import specrun.decoding.drafters.recurrent as recurrent
+    from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("our CPU kernels do not load here")

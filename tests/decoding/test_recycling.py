@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrun.decoding.recycling import (LEARN_EVERY_AR, STATIC_TREE, TREE_DEPTHS, TREE_PARENTS, TREE_SIZE,
-                                       RecyclingMatrix)
+from specrun.decoding.drafters.recycling import (
+    LEARN_EVERY_AR,
+    STATIC_TREE,
+    TREE_DEPTHS,
+    TREE_PARENTS,
+    TREE_SIZE,
+    RecyclingMatrix,
+)
 
 
 def test_static_tree_shape() -> None:

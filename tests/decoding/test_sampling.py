@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specrun.decoding.sampling import FEW_PAIRS, SamplingParams, choose, gumbel_at, gumbel_noise, process_logits
+from specrun.decoding.verify.sampling import FEW_PAIRS, SamplingParams, choose, gumbel_at, gumbel_noise, process_logits
 
 
 def test_noise_is_a_pure_function_of_seed_position_token():
@@ -133,7 +133,7 @@ def test_params_refuse_values_that_would_break_sampling(kw, fault):
 
 @pytest.mark.parametrize("kw", [{"min_p": 0.2}, {"top_k": 3}, {}, {"top_p": 0.5}])
 def test_sparse_noise_picks_exactly_what_full_noise_rows_pick(kw):
-    from specrun.decoding.sampling import sample
+    from specrun.decoding.verify.sampling import sample
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(40, 300, generator=g, dtype=torch.float64) * 3
@@ -145,7 +145,7 @@ def test_sparse_noise_picks_exactly_what_full_noise_rows_pick(kw):
 
 
 def test_sparse_noise_breaks_ties_at_the_first_column_as_argmax_does(monkeypatch):
-    from specrun.decoding import sampling
+    from specrun.decoding.verify import sampling
 
     # zero noise makes equal processed scores tie exactly: the sparse pick must be dense argmax's (first column)
     monkeypatch.setattr(sampling, "gumbel_at", lambda seed, pos, tok: torch.zeros(tok.shape, dtype=torch.float64))
@@ -158,7 +158,7 @@ def test_sparse_noise_breaks_ties_at_the_first_column_as_argmax_does(monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_penalty_touches_only_window_tokens_with_the_whole_row_formula(dtype):
-    from specrun.decoding.sampling import apply_penalty
+    from specrun.decoding.verify.sampling import apply_penalty
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(5, 1000, generator=g) * 4).to(dtype)
@@ -170,7 +170,7 @@ def test_penalty_touches_only_window_tokens_with_the_whole_row_formula(dtype):
 
 
 def test_a_row_with_nothing_kept_samples_token_0_as_argmax_does():
-    from specrun.decoding.sampling import sample
+    from specrun.decoding.verify.sampling import sample
 
     nan, ninf = float("nan"), float("-inf")
     processed = torch.full((3, 50), ninf)

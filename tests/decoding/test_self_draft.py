@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from specrun.decoding.decoder import FusedDecoder
+from specrun.decoding.drafters.heads import DraftHeads
+from specrun.decoding.drafters.quant_draft import quantized
+from specrun.decoding.drafters.self_draft import FusedDrafter, TreeTemplate
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.heads import DraftHeads
-from specrun.decoding.quant_draft import quantized
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.self_draft import FusedDrafter, TreeTemplate
-from specrun.decoding.trie import DraftContext
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.trie import DraftContext
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 

@@ -3,11 +3,12 @@
 import pytest
 
 import specrun.decoding.engine as engine_mod
-from specrun.decoding.budget import EXPLORE_MAX_AR, EXPLORE_MAX_SHADOWED, BudgetTuner
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.shadow import SHADOW_EVERY, SHADOW_SOON, SHADOW_SOON_PATH, Shadow, shadowable
-from specrun.decoding.trie import Draft, build_trie
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.trie import Draft, build_trie
+from specrun.decoding.width.explore import EXPLORE_MAX_AR, EXPLORE_MAX_SHADOWED
+from specrun.decoding.width.tuner import WidthTuner
+from specrun.decoding.width.shadow import SHADOW_EVERY, SHADOW_SOON, SHADOW_SOON_PATH, Shadow, shadowable
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -83,7 +84,7 @@ def test_a_shadow_that_accepted_drafts_brings_the_next_one_sooner(hits):
     assert taken == list(range(0, 40, gap))
 
 
-def _ar_wins(t: BudgetTuner) -> None:
+def _ar_wins(t: WidthTuner) -> None:
     for w, c in ((1, 1.0), (2, 1.05), (4, 1.1), (8, 1.2)):
         for _ in range(50):
             t.observe(w, [], c)
@@ -91,7 +92,7 @@ def _ar_wins(t: BudgetTuner) -> None:
 
 
 def test_shadow_hits_take_the_tuner_off_plain_ar_without_an_exploring_step():
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     _ar_wins(t)
     cost = dict(t.cost)
     for _ in range(5):
@@ -102,7 +103,7 @@ def test_shadow_hits_take_the_tuner_off_plain_ar_without_an_exploring_step():
 
 def test_with_shadows_exploring_backs_off_further():
     """Sampled text: shadows keep finding nothing, so wider steps come at gaps up to the shadowed cap."""
-    t = BudgetTuner(8)
+    t = WidthTuner(8)
     _ar_wins(t)
     wider = []
     for step in range(1, 6000):

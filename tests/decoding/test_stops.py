@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from specrun.decoding import stops as stops_mod
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.sampling import SamplingParams
-from specrun.decoding.stops import MAX_HELD, StopMatcher, first_stop
+from specrun.decoding.verify import stops as stops_mod
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.stops import MAX_HELD, StopMatcher, first_stop
 from specrun.models.loader import decode_tokens, output_text
 
 PROMPT = "abc abc abc abc abc"  # repetitive: n-gram and recycling drafts are accepted on the tiny models

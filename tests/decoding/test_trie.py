@@ -2,7 +2,7 @@
 
 import torch
 
-from specrun.decoding.trie import Draft, build_trie, merge_drafts, walk
+from specrun.decoding.verify.trie import Draft, build_trie, merge_drafts, walk
 
 
 def chain(root, toks, source=0):

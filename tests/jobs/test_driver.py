@@ -25,7 +25,7 @@ from rich.console import Console
 
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.driver import EXIT_FAILED, EXIT_INTERRUPTED, RunOptions, _Interrupts, run_job
 from specrun.jobs.export import finished_table
 from specrun.jobs.jobdir import JobError
@@ -173,10 +173,10 @@ def test_application_error_fails_only_that_prompt(tmp_path, model):
 
 def _reference(job, model) -> dict[str, list[int]]:
     """Uninterrupted generation of every prompt of the job, in-process (no Ray)."""
+    import torch
+
     from specrun.decoding.engine import Engine
     from specrun.models.loader import load_model
-
-    import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like the workers: one thread each (far faster on a busy small machine)

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.models import smollm2
 from specrun.models.loader import load_model, resolve_model_dir
 
@@ -50,7 +50,7 @@ def test_smollm2_bf16_drafting_and_resume_equal_ar_bit_for_bit(sampled):
     resumed output are AR's exactly, and so is a batched worker's (one kernel call for every prompt). With oneDNN and
     SDPA instead (SPECRUN_CPU_KERNELS=0) speculative output differed from AR's at token 26 greedy and 27 sampled, the
     resumed one at token 71 sampled (measured)."""
-    from specrun.decoding.cpu_kernels import cpu_kernels
+    from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("no AVX-512 BF16 kernels on this CPU")

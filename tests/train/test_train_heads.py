@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from specrun.cli import main
-from specrun.decoding.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads, load_heads, save_heads
+from specrun.decoding.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, DraftHeads, load_heads, save_heads
 from specrun.train import fit_heads, train_heads
 from specrun.train.data import pack_sequences
 from specrun.train.heads import hidden_states, loss_and_backward, lr_factor

@@ -1,0 +1,221 @@
+"""The quantized self-drafter: the target itself, its weights in 4 bits (quant.py), drafts a chain of AR's own choices
+(its sampling rules, penalty and Gumbel noise at each position) over the target's KV cache, one token a forward.
+
+Its drafted tokens' K/V go in the slots after the committed ones, where the verify forward then writes its own
+(verification decides, I1). The forward runs on our C kernels (KernelForward) or torch's (quant_torch.TorchForward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specrun.decoding.drafters.ngram import SuffixCopy
+from specrun.decoding.drafters.quant_torch import TorchForward
+from specrun.decoding.forward.cpu_layers import CpuLayers
+from specrun.decoding.forward.kv_codes import KVCodes
+from specrun.decoding.forward.quant import quantizable, quantize
+from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams, ar_choice
+from specrun.decoding.verify.trie import Draft, DraftContext
+
+# the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the
+# model's own bf16 rows score them (rescore_bf16): AR's head for what can be drafted, the 8-bit head's 0.87 ms a
+# draft down to 0.39 (smollm2). (The 4-bit head alone moved AR's sampled token: 2.77 tokens a width-4 step against 3.68
+# with an 8-bit head, 3.78 so.)
+HEAD_MARGIN = 2.5  # logits: the 4-bit head errs by up to 1.75 on smollm2's 200 best (median 1.2); 1.5-5.0 drafted alike
+GUMBEL_SPAN = 12.0  # no min-p: tokens this far (x temperature) below the best are drafted never (odds ~e^-12)
+MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner picks the width below this)
+
+
+class KernelForward:
+    """The 4-bit layers and LM head on our C kernels (AVX-512 BF16 CPUs, a bf16 model): the draft attends an int8
+    copy of the target's K/V of every committed token (KVCodes, synced a step's new slots at a time). TorchForward
+    (quant_torch.py) keeps the same contract on torch's kernels."""
+
+    def __init__(self, decoder, layers: CpuLayers, head: torch.Tensor):
+        self.dec, self.layers, self.head = decoder, layers, head
+        # the embedding's rows as they are (a plain nn.Embedding), and the final norm in one kernel call: a draft's
+        # torch modules cost ~0.2 ms of its ~6
+        self.embed_rows = decoder.embed.weight if type(decoder.embed) is torch.nn.Embedding else None
+        self.norm_weight, self.norm_eps = decoder.norm.weight, float(decoder.norm.variance_epsilon)
+        self.rows = decoder.lm_head.weight  # [V, H] bf16: rescore's
+        # the draft's attention reads int8 K/V: half the bytes of bf16, 4 products an instruction (smollm2, 30 layers
+        # at 2,048 keys: 2.8 ms against 6.3 for a bf16 attention split as this one; sampled, 5.24 tokens a width-6
+        # step against 5.51 with bf16 K/V, for 5.0 ms a draft against 6.4)
+        self.codes: KVCodes | None = None
+        self.cache = None
+        self.cos = self.sin = None  # [k, D] of the draft's positions
+
+    @classmethod
+    def of(cls, decoder) -> KernelForward | None:
+        """Where our kernels take the model (a CPU bf16 model, its LM head's inputs in groups of 32); else None."""
+        head = decoder.lm_head.weight  # [V, H]
+        rows = head.device.type == "cpu" and head.dtype == torch.bfloat16 and head.is_contiguous()  # rescore's
+        layers = CpuLayers.quantized(decoder, cpu_kernels()) if rows and quantizable(head) else None
+        return None if layers is None else cls(decoder, layers, quantize(head)[0])
+
+    def begin(self, caches: list, positions: list[int], k: int) -> None:
+        """A draft of k tokens from the root at positions[0] over caches[0] (one sequence: the int8 copy is its)."""
+        (cache,), (position,) = caches, positions
+        L, Hkv, cap, D = cache.k.shape
+        if self.codes is None or self.codes.cap < cap or self.codes.data.shape[0] != L:
+            self.codes = KVCodes(L, Hkv, cap, D)  # a new one where the runner replaced its cache
+        self.codes.sync(self.layers.kernels, cache.k, cache.v, cache.length)
+        self.cache = cache
+        like = self.head.new_empty((1, 1, self.dec.head_dim), dtype=torch.bfloat16)
+        cos, sin = self.dec.rotary(like, torch.arange(position, position + k)[None])  # [1, k, D] each
+        self.cos, self.sin = cos[0], sin[0]
+
+    def start(self) -> None:
+        if self.codes is not None:
+            self.codes.upto = 0  # a new sequence: its cache is refilled from slot 0
+
+    def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
+               ) -> torch.Tensor:
+        """# counts[0]: [V] int32 or None -> [1, V] float32, the draft's logits after the i-th token (-inf outside the
+        candidates)"""
+        (token,), (counts,), (theta,), (below,) = tokens, counts, thetas, belows
+        kernels = self.layers.kernels
+        x = self.dec.embed(torch.tensor([token])) if self.embed_rows is None else self.embed_rows[token : token + 1]
+        h = self.layers(x, self.cos[i : i + 1], self.sin[i : i + 1], self.cache, self.cache.length + i, None,
+                        q8=self.codes)  # [1, H]
+        h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
+        coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [1, V]
+        return kernels.rescore(coarse, counts, h, self.rows, theta, below)[0]
+
+
+def quantized(decoder) -> KernelForward | TorchForward | None:
+    """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
+    it, else torch's int4 kernels (any CPU); None where neither does."""
+    if not hasattr(decoder, "_specrun_q4"):
+        decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
+    return decoder._specrun_q4
+
+
+def quantized_rows(decoder) -> TorchForward | None:
+    """The 4-bit draft forward for a batched engine (several sequences a forward: torch's kernels), once per decoder."""
+    solo = quantized(decoder)
+    if isinstance(solo, TorchForward) or solo is None:
+        return solo
+    if not hasattr(decoder, "_specrun_q4_rows"):
+        decoder._specrun_q4_rows = TorchForward.of(decoder)
+    return decoder._specrun_q4_rows
+
+
+@dataclass
+class KVView:
+    """A sequence's K/V as the draft forwards read and write them: [Lyr, Hkv, S, D] each, slots [0, length) committed."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams, position: int) -> int:
+    """AR's token from these logits at `position`, the penalty on the tokens counted (counts > 0).
+
+    # logits: [1, V] float32, counts: [V] int32 or None
+    """
+    choice, _ = ar_choice(logits, params, torch.tensor([position]), lambda: (counts, None),
+                          lambda: None if counts is None else (counts > 0)[None])
+    return int(choice[0])
+
+
+def draft_chains(forward: KernelForward | TorchForward, rows: list[tuple[object, DraftContext]], k: int
+                 ) -> list[list[int]]:
+    """Each row's root and k tokens after it, each AR's pick under the 4-bit model, every row through one forward a
+    depth; rows: (its KV: a KVCache or a page's view, its context). The penalty window is the committed one plus the
+    drafted tokens (a token leaving it is not tracked)."""
+    ctxs = [ctx for _, ctx in rows]
+    counts = [None if c.present is None or not c.params.uses_penalty else c.present.to(torch.int32) for c in ctxs]
+    thetas = [c.params.penalty if n is not None else 1.0 for c, n in zip(ctxs, counts)]
+    belows = [HEAD_MARGIN + (0.0 if c.params.greedy else c.params.temperature * (
+        -math.log(c.params.min_p) if c.params.min_p > 0 else GUMBEL_SPAN)) for c in ctxs]
+    tallies = [None if n is None else n.numpy() for n in counts]  # counts' memory: a tensor op a token cost ~15 us
+    forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k)
+    chains = [[c.root] for c in ctxs]
+    for i in range(k):
+        logits = forward.logits(i, [chain[-1] for chain in chains], counts, thetas, belows)  # [B, V]
+        for b, (chain, c) in enumerate(zip(chains, ctxs)):
+            token = pick(logits[b : b + 1], counts[b], c.params, c.position + i + 1)
+            chain.append(token)
+            if tallies[b] is not None:
+                tallies[b][token] += 1
+    return chains
+
+
+def leaves_to_copy(ctx: DraftContext, copy: SuffixCopy | None) -> bool:
+    """Greedy, and the last 3 tokens occurred before: the n-gram copy drafts the whole width at no forward's cost
+    (smollm2, 2,048 tokens: 3.45x AR so, 1.39x with this chain leading). Sampled text rarely repeats what its 3-gram
+    matches say, and steps that skip the chain made wide widths look cheap to the tuner."""
+    return ctx.params.greedy and copy is not None and bool(copy.follow(1))
+
+
+class QuantDrafter:
+    name = "quant"
+
+    def __init__(self, runner: ModelRunner, forward: KernelForward | TorchForward):
+        self.runner = runner
+        self.forward = forward
+        self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
+
+    def start(self, seq: list[int]) -> None:
+        self.forward.start()
+
+    def observe(self, v) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        """The root and up to budget - 1 (at most MAX_CHAIN) tokens after it (draft_chains)."""
+        k = min(ctx.budget - 1, MAX_CHAIN)
+        if k < 1 or leaves_to_copy(ctx, self.copy):
+            return []
+        (tokens,) = draft_chains(self.forward, [(self.runner.cache, ctx)], k)
+        return [Draft(tokens, list(range(-1, k)), source)]
+
+
+class BatchedQuantDrafter:
+    """One sequence's quantized self-drafter in the batched engine: draft_batch runs every sequence's chain through
+    one 4-bit forward a depth and hands each its own; propose returns it."""
+
+    name = "quant"
+
+    def __init__(self):
+        self.chain: list[int] | None = None  # this step's, from draft_batch
+        self.copy: SuffixCopy | None = None
+
+    def start(self, seq: list[int]) -> None:
+        self.chain = None
+
+    def observe(self, v) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def wants(self, ctx: DraftContext) -> bool:
+        return ctx.budget > 1 and not leaves_to_copy(ctx, self.copy)
+
+    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        chain, self.chain = self.chain, None
+        return [] if chain is None else [Draft(chain, list(range(-1, len(chain) - 1)), source)]
+
+
+@torch.inference_mode()
+def draft_batch(forward: TorchForward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
+    """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
+    page's view, with k, v and length; its drafter; its context), all of one step's budget."""
+    if not entries:
+        return
+    k = min(entries[0][2].budget - 1, MAX_CHAIN)
+    chains = draft_chains(forward, [(kv, ctx) for kv, _, ctx in entries], k)
+    for (_, drafter, _), chain in zip(entries, chains):
+        drafter.chain = chain

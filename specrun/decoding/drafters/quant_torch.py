@@ -1,0 +1,204 @@
+"""The quantized self-draft's forward on torch's own low-bit kernels, for CPUs our C kernels do not take: the target's
+linear weights in 4 bits (quant.py's grid) or 8, bf16 activations, attention over the target's KV cache (sinks and a
+window).
+
+TorchForward.of(decoder) is None where torch's kernels do not take the model; else begin(caches, positions, k) once a
+draft, then logits(i, tokens, counts, thetas, belows) per depth, a row per sequence (quant_draft.KernelForward: one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specrun.decoding.forward.attention import attend_lse, merge_states
+from specrun.decoding.forward.decoder import rotated_qkv
+from specrun.decoding.forward.quant import GROUP, grid, quantizable
+
+# the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
+# token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV)
+SINKS = 4
+WINDOW = 1024
+BF16 = torch.bfloat16
+
+
+class Int4Linear:
+    """y = x W^T (+ b) with W on quant.py's grid, packed for torch's CPU int4 kernel (bf16 activations)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.n = weight.shape[0]
+        padded = weight.new_zeros((-(-self.n // 16) * 16, weight.shape[1]))  # the kernel packs rows 16 at a time
+        padded[: self.n] = weight.detach()
+        q, d, low = grid(padded)  # [N', K] codes, [N', G] float16 scale and minimum
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        d32 = d.float()
+        # torch's kernel reads w = (q - 8) * scale + zero: zero = m + 8 d
+        self.scales = torch.stack((d32, low.float() + 8 * d32), dim=-1).transpose(0, 1).to(BF16).contiguous()  # [G, N, 2]
+        self.bias = None if bias is None else bias.detach().to(BF16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """# x: [T, K] bf16 -> [T, N] bf16"""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        y = y if y.shape[-1] == self.n else y[:, : self.n]
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear:
+    """y = x W^T (+ b) with W in 8 bits, one symmetric scale a row, for torch's CPU int8 kernel (bf16 activations)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # [N]
+        self.q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()  # [N, K]
+        self.scales = scale.to(BF16)
+        self.bias = None if bias is None else bias.detach().to(BF16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """# x: [T, K] bf16 -> [T, N] bf16"""
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def on_grid(weights: list[torch.Tensor]) -> bool:
+    """Whether these weights already sit on a 4-bit grid of groups of 32 (a GGUF Q4 model's): their round trip through
+    quant.grid moves them by under 5% of a step on average (a model trained in bf16: ~25%)."""
+    moved = steps = 0.0
+    for w in weights:
+        q, d, low = grid(w)
+        deq = q.float().view(*d.shape, GROUP) * d.float()[..., None] + low.float()[..., None]
+        moved += float((deq.view_as(w) - w.float()).abs().sum())
+        steps += float(d.float().sum()) * GROUP
+    return moved <= 0.05 * steps
+
+
+class _Norm:
+    """RMSNorm in bf16 (torch's fused op: a draft's values need only be close to the model's)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.weight, self.eps = module.weight.detach().to(BF16), float(module.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@dataclass
+class _Layer:
+    ln1: _Norm
+    ln2: _Norm
+    qkv: Int4Linear | Int8Linear
+    o: Int4Linear | Int8Linear
+    gate_up: Int4Linear | Int8Linear
+    down: Int4Linear | Int8Linear
+    act: torch.nn.Module
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    scaling: float
+
+
+def rescore(coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor, theta: float,
+            below: float) -> torch.Tensor:
+    """h's logits by the model's own head rows for the tokens whose penalised coarse logit (theta on the tokens
+    counted) is at least the best one less `below`, -inf for the rest (cpu_kernels.c rescore_bf16's rule).
+
+    # coarse: [1, V] float32, counts: [V] int32 or None, h: [1, H], rows: [V, H] -> [1, V] float32
+    """
+    c = coarse[0]
+    if counts is not None and theta != 1.0:
+        c = torch.where(counts > 0, torch.where(c > 0, c / theta, c * theta), c)
+    keep = (c >= c.max() - below).nonzero()[:, 0]  # [C]
+    out = torch.full_like(coarse, float("-inf"))
+    out[0, keep] = (rows[keep] @ h[0].to(rows.dtype)).float()
+    return out
+
+
+class TorchForward:
+    """One drafted token a row through the low-bit copy: its layers in 4 bits where the model's weights sit on a 4-bit
+    grid (the copy is then nearly the model), else in 8 bits (a bf16-trained model's 4-bit copy agreed with it on ~48%
+    of drafted tokens, too few to pay); the LM head in 4 bits (it only finds candidates). Its K/V land in the target's
+    cache after the committed slots (scratch the verify overwrites)."""
+
+    @classmethod
+    def of(cls, dec) -> TorchForward | None:
+        weights = [w for L in dec.layers for w in (L.qkv.weight, L.o.weight, L.gate_up.weight, L.down.weight)]
+        head = dec.lm_head.weight
+        takes = head.device.type == "cpu" and all(quantizable(w) for w in (*weights, head)) \
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        if not takes:
+            return None
+        try:
+            return cls(dec)
+        except RuntimeError:  # an older torch whose int4 kernel refuses these shapes: no portable draft
+            return None
+
+    def __init__(self, dec, bits: int | None = None):
+        self.dec = dec
+        first = dec.layers[0]
+        self.bits = bits or (4 if on_grid([first.qkv.weight, first.o.weight, first.gate_up.weight, first.down.weight])
+                             else 8)
+        Lin = Int4Linear if self.bits == 4 else Int8Linear
+        self.layers = [_Layer(_Norm(L.ln1), _Norm(L.ln2), Lin(L.qkv.weight, L.qkv.bias), Lin(L.o.weight),
+                              Lin(L.gate_up.weight), Lin(L.down.weight), L.act,
+                              None if L.q_norm is None else _Norm(L.q_norm), None if L.k_norm is None else _Norm(L.k_norm),
+                              L.scaling) for L in dec.layers]
+        self.norm = _Norm(dec.norm)
+        self.head = Int4Linear(dec.lm_head.weight)
+        self.rows = dec.lm_head.weight  # [V, H]: rescore's
+        self.caches: list = []
+        self.cos = self.sin = None  # [B, k, 1, D] bf16 of the draft's positions
+
+    def start(self) -> None:
+        pass  # it reads the target's cache itself: nothing kept across sequences
+
+    def begin(self, caches: list, positions: list[int], k: int) -> None:
+        """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
+        [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page)."""
+        self.caches = caches
+        like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16)
+        pos = torch.tensor(positions)[:, None] + torch.arange(k)  # [B, k]
+        cos, sin = self.dec.rotary(like, pos)  # [B, k, D] each
+        self.cos, self.sin = cos[:, :, None, :].to(BF16), sin[:, :, None, :].to(BF16)  # [B, k, 1, D]
+
+    @torch.inference_mode()
+    def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]) -> torch.Tensor:
+        """Each row's rescored logits after its token, the i-th of its draft (i = 0: the root).
+
+        # counts[b]: [V] int32 or None -> [B, V] float32 (-inf outside each row's candidates)
+        """
+        dec, B = self.dec, len(tokens)
+        nq, nkv, D = dec.n_q, dec.n_kv, dec.head_dim
+        x = dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
+        cos, sin = self.cos[:, i], self.sin[:, i]  # [B, 1, D]
+        for j, L in enumerate(self.layers):
+            qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
+            out = torch.empty((B, nq, D), dtype=BF16)
+            for b, cache in enumerate(self.caches):
+                slot = cache.length + i
+                cache.k[j, :, slot] = qk[b, nq:]
+                cache.v[j, :, slot] = v[b]
+                out[b] = self._attend(cache, j, qk[b, :nq], slot + 1, L.scaling)
+            x = x + L.o(out.view(B, nq * D))
+            gu = L.gate_up(L.ln2(x))  # [B, 2I]
+            x = x + L.down(L.act(gu[:, : dec.inter]) * gu[:, dec.inter :])
+        h = self.norm(x)
+        coarse = self.head(h).float()  # [B, V]
+        return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.rows, thetas[b], belows[b])
+                          for b in range(B)])
+
+    @staticmethod
+    def _attend(cache, layer: int, q: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
+        """q over slots [0, SINKS) and the last WINDOW of [0, n) (all of them while n <= SINKS + WINDOW).
+
+        # q: [Hq, D] bf16 -> [Hq, D] bf16
+        """
+        ck, cv = cache.k[layer], cache.v[layer]  # [Hkv, S, D]
+        Hkv, D = ck.shape[0], ck.shape[2]
+        qg = q.reshape(Hkv, -1, D).to(ck.dtype)  # query head h = kv_head * G + g
+        if n <= SINKS + WINDOW:
+            o = F.scaled_dot_product_attention(qg[None], ck[None, :, :n], cv[None, :, :n], scale=scaling)[0]
+        else:
+            o1, lse1 = attend_lse(qg, ck[:, :SINKS], cv[:, :SINKS], scaling)
+            o2, lse2 = attend_lse(qg, ck[:, n - WINDOW : n], cv[:, n - WINDOW : n], scaling)
+            o, _ = merge_states(o1, lse1, o2, lse2)
+        return o.reshape(-1, D).to(BF16)

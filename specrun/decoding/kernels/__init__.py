@@ -1,0 +1,1 @@
+"""Our C kernels (AVX-512 BF16 CPUs) and their build: bindings only, no decoding policy; callers keep a torch fallback."""

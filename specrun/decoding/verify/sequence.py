@@ -1,0 +1,105 @@
+"""One generation in flight: committed tokens, the target's choice per trie node, stop rules, the penalty window.
+
+Shared by the solo engine and the batched one: per sequence, AR's token at each position depends only on this state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specrun.decoding.verify.penalty import PenaltyWindow
+from specrun.decoding.verify.sampling import SamplingParams, ar_choice
+from specrun.decoding.verify.stops import StopMatcher
+from specrun.decoding.verify.trie import DraftContext, Trie
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int], *, vocab_size: int,
+                 eos_ids, tokenizer, max_context: int, spare: int, device):
+        """spare: slots beyond prompt + max_tokens that a verify forward may fill (the widest trie)."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in (*prompt_ids, *resumed, *params.stop_token_ids) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model vocabulary [0, {vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > max_context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                             f"the model context of {max_context}")
+        self.params = params
+        self.eos_ids = eos_ids
+        self.capacity = total + spare + 1
+        self.stops = StopMatcher(tokenizer, params.stop) if params.stop else None
+        hit = self.stops.seed(resumed) if self.stops is not None else None  # resumed text may end in a stop's start
+        self.stop_hit = hit is not None
+        if self.stop_hit:  # a stop completed at the last checkpointed token: nothing more to generate
+            resumed = resumed[: hit + 1]
+        known = [*prompt_ids, *resumed]
+        self.seq = torch.zeros(self.capacity, dtype=torch.long, device=device)  # seq[:n] committed, seq[n-1] = root
+        self.seq[: len(known)] = torch.tensor(known, dtype=torch.long)
+        self.n = len(known)
+        self.prompt_len = len(prompt_ids)
+        self.out = list(resumed)  # generated tokens (appended, never rescanned)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.window = None
+        if params.uses_penalty:
+            self.window = PenaltyWindow(vocab_size, params.penalty_window, device)
+            self.window.reset(self.seq, self.n)
+
+    def draft_context(self, budget: int, with_present: bool = False) -> DraftContext:
+        """What drafters see this step: the root at its position, the trie budget, AR's sampling rules, and (for
+        drafters that imitate AR's processing) the committed penalty window's tokens."""
+        present = self.window.counts > 0 if self.window is not None and with_present else None
+        return DraftContext(self.root, self.n - 1, budget=budget, params=self.params, present=present)
+
+    @property
+    def known(self) -> list[int]:
+        return self.seq[: self.n].tolist()
+
+    @property
+    def root(self) -> int:
+        return int(self.seq[self.n - 1])
+
+    def choose(self, trie: Trie, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's token after every node, exactly as AR would pick it there. -> [T] long, processed [T, V]"""
+        # the token after a depth-d node is generated token len(out)+d at absolute position n+d
+        positions = trie.depths + self.n
+        w = self.window
+        return ar_choice(logits, self.params, positions,
+                         lambda: (w.counts, w.patches(self.seq, self.n, trie)) if w is not None else (None, None),
+                         lambda: w.presence(self.seq, self.n, trie) if w is not None else None)
+
+    def stop_rules(self, tokens: list[int]) -> list[int]:
+        """The accepted tokens AR would have emitted: cut after max_tokens, or the first that ends the generation."""
+        tokens = tokens[: self.params.max_tokens - len(self.out)]
+        for i, t in enumerate(tokens):
+            if self._ends(t):
+                return tokens[: i + 1]
+        return tokens
+
+    def _ends(self, token: int) -> bool:
+        """Does this next token end the generation: EOS, a stop token, or the last piece of a stop string?"""
+        if (not self.params.ignore_eos and token in self.eos_ids) or token in self.stop_ids:
+            return True
+        if self.stops is not None and self.stops.feed(token):
+            self.stop_hit = True
+        return self.stop_hit
+
+    def advance(self, emitted: list[int]) -> None:
+        """Commit the emitted tokens; the last one is the next root."""
+        k = len(emitted)
+        self.seq[self.n : self.n + k] = torch.tensor(emitted, dtype=torch.long)
+        if self.window:
+            self.window.advance(self.seq, self.n, self.n + k)
+        self.n += k
+        self.out.extend(emitted)
+
+    def finished(self) -> str | None:
+        out, params = self.out, self.params
+        if out and not params.ignore_eos and out[-1] in self.eos_ids:
+            return "eos"
+        if out and (out[-1] in self.stop_ids or self.stop_hit):
+            return "stop"
+        if len(out) >= params.max_tokens:
+            return "length"
+        return None
