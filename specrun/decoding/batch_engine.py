@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.drafters.heads import DraftHeads
-from specrun.decoding.drafters.protocol import MERGE_PRIORITY, NOISE_COUPLED, Drafter, NGramDrafter, Verified
+from specrun.decoding.drafters.protocol import Drafter, NGramDrafter
 from specrun.decoding.drafters.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, quantized_rows
 from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
@@ -23,9 +23,10 @@ from specrun.decoding.forward.paged_attention import check_paged_backend
 from specrun.decoding.forward.paged_kv import SeqPages
 from specrun.decoding.forward.paged_runner import PagedRunner
 from specrun.decoding.stats import GenStats
+from specrun.decoding.step import Drafting, accept
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
-from specrun.decoding.verify.trie import Trie, build_trie, record_sampled, walk
+from specrun.decoding.verify.trie import Trie, build_trie
 from specrun.decoding.width.shadow import Shadow, shadowable
 from specrun.decoding.width.tuner import WidthTuner
 
@@ -73,8 +74,7 @@ class BatchEngine:
         self.vocab_size = self.runner.lm_head.weight.shape[0]
         # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
-        self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
-        self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
+        self.drafting = Drafting(names)
         self.quant = quantized_rows(self.runner.decoder) if "quant" in names else None
         self._tuners: dict[int, WidthTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
@@ -145,7 +145,8 @@ class BatchEngine:
                 if a.heads is not None and self._capture:
                     a.heads.see_queries(self.runner.queries, offset)
                 offset += a.trie.size
-                accepted.append(self._accept(a, hidden[rows], logits[rows], budget))
+                accepted.append(accept(a.st, a.trie, logits[rows], hidden[rows], a.pages, a.drafters, a.stats,
+                                       self.drafting.coupled, budget if self.names else 1, ("recycling",)))
             if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
                 self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
             if tuner:  # the whole batched step's cost against the width every sequence used, one observation
@@ -202,9 +203,7 @@ class BatchEngine:
     def _draft(self, a: _Active, budget: int) -> list:
         if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted
             return []
-        ctx = a.st.draft_context(budget, bool(self._coupled))
-        proposals = [d.propose(ctx, i) for i, d in enumerate(a.drafters)]
-        return [d for i in self._merge_order for d in proposals[i]]
+        return self.drafting.propose(a.drafters, a.st.draft_context(budget, bool(self.drafting.coupled)))
 
     def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""
@@ -212,30 +211,6 @@ class BatchEngine:
                                      [a.trie.depths + (a.st.n - 1) for a in live], [a.trie.ancestors for a in live],
                                      capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
-
-    def _accept(self, a: _Active, hidden: torch.Tensor, logits: torch.Tensor, budget: int):
-        """Walk, apply stop rules, commit pages and tokens, update drafters. -> (path nodes beyond the root, emitted)"""
-        trie, st = a.trie, a.st
-        with a.stats.time("walk"):
-            choice, processed = st.choose(trie, logits)
-            path = walk(trie, choice)
-            emitted = st.stop_rules(choice[path].tolist())
-            if not st.params.greedy:  # as the solo engine
-                record_sampled(a.stats, trie, processed, choice, path, len(emitted), self._coupled)
-            nodes = path.tolist()
-        with a.stats.time("commit"):
-            a.pages.commit(path[: len(emitted)])
-            st.advance(emitted)
-        with a.stats.time("update"):
-            verified = Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1])
-            for d in a.drafters:
-                if d.name != "recycling":  # the matrix is the worker's: step() teaches it once for the whole batch
-                    d.observe(verified)
-                d.commit(emitted)
-        a.stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1],
-                            trie.sources[path[1 : len(emitted)]].tolist(), len(st.out) - len(emitted),
-                            width=budget if self.names else 1)
-        return nodes[1:], emitted
 
     # -- a whole batch of requests ------------------------------------------------------------------------------------
     def run(self, requests: Iterable[tuple[object, list[int], SamplingParams, list[int]]],

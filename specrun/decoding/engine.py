@@ -16,15 +16,12 @@ from specrun.decoding.drafters.partial_kv import PartialKV
 from specrun.decoding.drafters.protocol import (
     AUTO_DRAFTERS,
     DRAFTER_NAMES,
-    MERGE_PRIORITY,
     NEEDS_DRAFTER,
     NEEDS_HEADS,
     NEEDS_QUANT,
-    NOISE_COUPLED,
     Drafter,
     NGramDrafter,
     RecyclingDrafter,
-    Verified,
 )
 from specrun.decoding.drafters.quant_draft import MAX_CHAIN, QuantDrafter, quantized, quantized_rows
 from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDrafter
@@ -36,9 +33,10 @@ from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.forward.static_step import StaticStep
 from specrun.decoding.stats import GenStats
+from specrun.decoding.step import Drafting, accept
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
-from specrun.decoding.verify.trie import Draft, DraftContext, Trie, build_trie, merge_drafts, record_sampled, walk
+from specrun.decoding.verify.trie import Trie, build_trie
 from specrun.decoding.width.shadow import Shadow, shadowable
 from specrun.decoding.width.tuner import WidthTuner
 
@@ -165,9 +163,7 @@ class Engine:
         # width-1 steps by the static step, but where the self-draft reads each forward's queries
         graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
         self.static = StaticStep(self.runner) if graphs and not self._capture else None
-        self._merge_order = sorted(range(len(names)), key=lambda i: MERGE_PRIORITY.index(names[i]))
-        self._ahead = [self._merge_order[: self._merge_order.index(i)] for i in range(len(names))]  # merged before i
-        self._coupled = [i for i, n in enumerate(names) if n in NOISE_COUPLED]
+        self.drafting = Drafting(names)
         # measured online and kept across generations (costs and acceptance carry over to the next prompt); greedy and
         # sampled text apart: the same widths pay differently (greedy text loops, the n-gram copy drafts its steps)
         chain = "quant" in names  # the 4-bit self-draft's chain leads every trie, a forward a token (sampled: it always
@@ -218,32 +214,20 @@ class Engine:
                 full = self.config.trie_budget
                 shadowing = shadow is not None and budget < full and shadow.due()  # what a full trie would accept
                 if budget > 1 or shadowing:  # a width of 1 verifies the root alone: drafting would be wasted
-                    drafts = self._drafts(st.draft_context(full if shadowing else budget, bool(self._coupled)))
+                    drafts = self.drafting.propose(self.drafters, st.draft_context(full if shadowing else budget,
+                                                                                 bool(self.drafting.coupled)))
                 if shadowing:  # the verified trie below is its first `budget` nodes
                     shadow.take(build_trie(st.root, drafts, full, self.lm.device), len(st.out))
             with stats.time("trie"):
                 trie = build_trie(st.root, drafts, budget, self.lm.device)
             with stats.time("forward"):
                 hidden, logits = self._verify(st, trie)
-            with stats.time("walk"):
-                choice, processed = st.choose(trie, logits)
-                path = walk(trie, choice)
-                emitted = st.stop_rules(choice[path].tolist())
-                if not params.greedy:  # drafted mass vs what happened, and the likeliest-chain oracle
-                    record_sampled(stats, trie, processed, choice, path, len(emitted), self._coupled)
-                nodes = path.tolist()
-            with stats.time("commit"):
-                self.runner.cache.commit(path[: len(emitted)])  # K/V of root..(k-1)th accepted node
-                st.advance(emitted)
-            with stats.time("update"):
-                self._update_drafters(Verified(trie.tokens, logits, hidden, nodes[len(emitted) - 1]), emitted)
+            nodes, emitted = accept(st, trie, logits, hidden, self.runner.cache, self.drafters, stats,
+                                    self.drafting.coupled, width=budget if self.drafters else 1)
             if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, nodes[1:], time.perf_counter() - t_step, trie.size)
+                self.tuner.observe(budget, nodes, time.perf_counter() - t_step, trie.size)
                 if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
                     self.tuner.observe_shadow([shadow_path])
-            accepted_sources = trie.sources[path[1 : len(emitted)]].tolist()
-            stats.record_step(len(emitted), trie.size, trie.path_tokens.shape[1], accepted_sources,
-                              len(st.out) - len(emitted), width=budget if self.drafters else 1)
             done = st.finished()
             stop = yield emitted
             if stop and not done:
@@ -272,20 +256,3 @@ class Engine:
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)
 
-    def _drafts(self, ctx: DraftContext) -> list[Draft]:
-        """Every drafter's proposals in merge order; a drafter is not asked once those merged before it hold the
-        budget (the 4-bit self-draft's chain fills a width-4 trie: n-gram and recycling drafts would be dropped)."""
-        proposals: list[list[Draft] | None] = [None] * len(self.drafters)
-        for i, drafter in enumerate(self.drafters):  # drafting order: a head's guess keys the n-grams after it
-            ahead = [d for j in self._ahead[i] if proposals[j] is not None for d in proposals[j]]
-            # merged nodes are at most 1 + the drafted tokens: only a budget that many tokens could fill is merged
-            full = all(proposals[j] is not None for j in self._ahead[i]) \
-                and sum(len(d.tokens) - 1 for d in ahead) >= ctx.budget - 1 \
-                and len(merge_drafts(ctx.root, ahead, ctx.budget)[0]) >= ctx.budget
-            proposals[i] = [] if full else drafter.propose(ctx, i)
-        return [d for i in self._merge_order for d in proposals[i]]
-
-    def _update_drafters(self, verified: Verified, emitted: list[int]) -> None:
-        for d in self.drafters:
-            d.observe(verified)
-            d.commit(emitted)
