@@ -2,13 +2,13 @@
 
 import pytest
 
-import specrun.decoding.engine as engine_mod
+import specrun.decoding.step as step_mod
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.trie import Draft, build_trie
 from specrun.decoding.width.explore import EXPLORE_MAX_AR, EXPLORE_MAX_SHADOWED
-from specrun.decoding.width.tuner import WidthTuner
 from specrun.decoding.width.shadow import SHADOW_EVERY, SHADOW_SOON, SHADOW_SOON_PATH, Shadow, shadowable
+from specrun.decoding.width.tuner import WidthTuner
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -22,8 +22,8 @@ def test_a_resolved_shadow_is_the_path_the_verify_of_that_trie_accepted(load_fix
         steps.append((trie, path.tolist()[1:]))
         return path
 
-    walk = engine_mod.walk
-    monkeypatch.setattr(engine_mod, "walk", recording_walk)
+    walk = step_mod.walk
+    monkeypatch.setattr(step_mod, "walk", recording_walk)
     prompt = lm.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the cat")
     params = SamplingParams(max_tokens=120, temperature=temperature, min_p=0.05, seed=3, ignore_eos=True)
     # shadow tries are for tree drafters (the 4-bit chain drafts by forwards: no shadows)
