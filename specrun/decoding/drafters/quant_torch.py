@@ -18,9 +18,10 @@ from specrun.decoding.forward.decoder import rotated_qkv
 from specrun.decoding.forward.quant import GROUP, grid, quantizable
 
 # the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
-# token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV)
+# token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV); WINDOW as the
+# self-draft's default kv_budget (a 1,024-slot window halved its acceptance past 1K tokens: docs/benchmarks.md)
 SINKS = 4
-WINDOW = 1024
+WINDOW = 4096
 BF16 = torch.bfloat16
 
 
