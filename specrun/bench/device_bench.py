@@ -12,9 +12,9 @@ import time
 
 import torch
 
+from specrun.bench.clock import sync as _sync
 from specrun.bench.neartie import check_divergence
 from specrun.bench.roofline import read_bandwidth, step_weight_bytes
-from specrun.bench.runner import _sync
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.forward.paged_runner import kv_bytes_per_token

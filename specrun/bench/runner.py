@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
+from specrun.bench.clock import LengthClock, sync
+from specrun.bench.hf import run_hf
 from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.decoding.engine import Engine, EngineConfig, resolve_drafting
 from specrun.decoding.verify.sampling import SamplingParams
@@ -132,102 +132,25 @@ def drop_unrunnable(planned: list, lm, notes: list[str]) -> list:
     return keep
 
 
-def hf_notes(params: SamplingParams, prompt_len: int) -> list[str]:
-    """Where HF generate cannot run exactly the same sampling as specrun."""
-    notes = ["hf_*: EOS is masked until max_tokens (min_new_tokens); specrun runs with ignore_eos (EOS is an ordinary "
-             "token), so HF text may differ where the model would pick EOS"]
-    if params.penalty != 1.0 and params.penalty_window < prompt_len + params.max_tokens:
-        notes.append(f"hf_*: not comparable: HF repetition_penalty covers the whole context, specrun only the last "
-                     f"{params.penalty_window} tokens")
-    if not params.greedy:
-        notes.append("hf_*: sampled with torch's RNG (specrun uses counter-based Gumbel noise): same distribution, "
-                     "different tokens")
-    return notes
-
-
-def hf_generation_config(params: SamplingParams, n: int, eos_ids, pad_id: int | None, extra: dict):
-    """An explicit GenerationConfig (model defaults such as a shipped temperature are not inherited)."""
-    from transformers import GenerationConfig
-
-    eos = sorted(eos_ids)
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=not params.greedy, num_beams=1,
-              eos_token_id=eos or None, pad_token_id=pad_id if pad_id is not None else (eos[0] if eos else None),
-              repetition_penalty=params.penalty, use_cache=True, **extra)
-    if not params.greedy:
-        kw.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                  min_p=params.min_p or None, eta_cutoff=params.eta)
-    return GenerationConfig(**kw)
-
-
-class _LengthClock:
-    """Records the elapsed time at which each watched generated length is first reached; counts emitted tokens."""
-
-    def __init__(self, lengths: tuple[int, ...]):
-        self.pending, self.count, self.at = sorted(lengths), 0, {}
-
-    def add(self, k: int, elapsed: float) -> None:
-        self.count += k
-        while self.pending and self.count >= self.pending[0]:
-            self.at[self.pending.pop(0)] = elapsed
-
-
-class _HFStreamer:
-    """transformers streamer protocol: put() is called with the prompt first, then with each new token chunk."""
-
-    def __init__(self, clock: _LengthClock, t0: float):
-        self.clock, self.t0, self.seen_prompt = clock, t0, False
-
-    def put(self, value) -> None:
-        if not self.seen_prompt:
-            self.seen_prompt = True
-            return
-        self.clock.add(int(value.numel()), time.perf_counter() - self.t0)
-
-    def end(self) -> None:
-        pass
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_hf(hf_lm, prompt_ids: list[int], params: SamplingParams, n: int, extra: dict, lengths=()) -> tuple[list[int], float, dict]:
-    """HF generate on its own model copy -> (new token ids, seconds, {length: seconds})."""
-    pad = getattr(hf_lm.tokenizer, "pad_token_id", None)
-    gcfg = hf_generation_config(params, n, hf_lm.eos_ids, pad, extra)
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=hf_lm.device)
-    torch.manual_seed(params.seed)
-    _sync(hf_lm.device)
-    t0 = time.perf_counter()
-    clock = _LengthClock(tuple(lengths))
-    with torch.inference_mode():
-        out = hf_lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gcfg,
-                                   streamer=_HFStreamer(clock, t0) if lengths else None)
-    _sync(hf_lm.device)
-    seconds = time.perf_counter() - t0
-    return out[0, len(prompt_ids):].tolist(), seconds, clock.at
-
-
 class _Stepped:
     """One specrun run driven a step at a time (Engine.steps), timed by its own steps only."""
 
     def __init__(self, lm, config: EngineConfig, prompt_ids: list[int], params: SamplingParams, lengths=()):
         self.device = lm.device
         self.steps = Engine(lm, config).steps(prompt_ids, params)  # construction is not timed
-        self.clock = _LengthClock(tuple(lengths))
+        self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None
 
     def advance(self) -> bool:
         """One step (the first also prefills); False once the run has ended."""
-        _sync(self.device)
+        sync(self.device)
         t = time.perf_counter()
         try:
             emitted = next(self.steps)  # = send(None): go on
         except StopIteration as end:
             self.result = end.value
             emitted = []
-        _sync(self.device)
+        sync(self.device)
         self.seconds += time.perf_counter() - t
         self.clock.add(len(emitted), self.seconds)
         return self.result is None
@@ -278,7 +201,7 @@ def run_bench(lm, hf_lm, prompt_ids: list[int], params: SamplingParams, planned,
             toks, s, at = run_hf(hf_lm, prompt_ids, p, p.max_tokens, target, lengths)
             return toks, s, at, {}
         if spec.kind == "llama_cpp":
-            clock = _LengthClock(tuple(lengths))
+            clock = LengthClock(tuple(lengths))
             toks, s = run_llama_cpp(llama, prompt_ids, p, p.max_tokens, clock)
             return toks, s, clock.at, {}
         return run_specrun(lm, target, prompt_ids, p, lengths)

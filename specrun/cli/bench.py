@@ -71,6 +71,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
       specrun bench --model M --prompt-file p.txt --lengths 2048,8192,16384 --repeat 1
       specrun bench --model smollm2 --chat --prompt "Write a long story." --max-tokens 1024 --concurrency 1,4,8
     """
+    from specrun.bench.hf import hf_notes
     from specrun.bench.llama_cpp import NOTE as LLAMA_NOTE
     from specrun.bench.report import add_roofline, annotate_divergences, render, summarize
     from specrun.bench.runner import (
@@ -78,7 +79,6 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
         BenchSettings,
         bench_params,
         drop_unrunnable,
-        hf_notes,
         plan,
         run_bench,
     )

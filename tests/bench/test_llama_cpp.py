@@ -9,8 +9,8 @@ import types
 
 from click.testing import CliRunner
 
+from specrun.bench.clock import LengthClock as _LengthClock
 from specrun.bench.llama_cpp import run_llama_cpp
-from specrun.bench.runner import _LengthClock
 from specrun.cli import main
 from specrun.decoding.verify.sampling import SamplingParams
 
