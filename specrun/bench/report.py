@@ -13,6 +13,7 @@ from specrun.decoding.stats import PHASES
 
 STEP_PHASES = tuple(p for p in PHASES if p != "prefill")  # + "other": wall time no phase accounts for
 BASELINES = ("hf_ar", "specrun_ar")
+AR_RUNS = (*BASELINES, "compiled_ar")  # one token a step: a share of the memory roofline means something
 
 
 def _median(xs):
@@ -172,7 +173,7 @@ def add_roofline(report: dict, roof: dict) -> None:
 
     shares = {}
     for r in report["runs"]:
-        if r["name"] in BASELINES:
+        if r["name"] in AR_RUNS:
             each = repeat_shares(roof, r["tokens_per_s_all"])
             shares[f"{r['name']}_share"] = _median(each) if each else share(roof, r["tokens_per_s"])
             if each:

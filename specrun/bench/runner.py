@@ -28,6 +28,7 @@ class RunSpec:
     kind: str  # "hf" | "llama_cpp" | "specrun"
     overrides: tuple[tuple[str, object], ...] = ()
     needs_heads: bool = False  # gets heads_path=--heads; skipped without heads or engine support
+    by_name: bool = False  # runs only where --runs names it
 
 
 # The table of configurations; ablations are rows. specrun_spec = the engine flags as given (default drafters).
@@ -43,7 +44,22 @@ DEFAULT_RUNS: tuple[RunSpec, ...] = (
     RunSpec("heads_partial", "specrun", (("drafters", ("heads",)), ("kv_mode", "partial")), needs_heads=True),
     # fused drafting in place of the self-draft forward, beside the other drafters
     RunSpec("fused_spec", "specrun", (("drafters", ("fused", "ngram", "recycling")),), needs_heads=True),
+    # the layers compiled by inductor (decoding/forward/compiled.py): minutes of compiling before the first step
+    RunSpec("compiled_ar", "specrun", (("drafters", ()), ("compile_layers", True)), by_name=True),
+    RunSpec("compiled_spec", "specrun", (("compile_layers", True),), by_name=True),
 )
+
+
+def select_runs(only: str | None) -> tuple[RunSpec, ...]:
+    """--runs: the rows named in a comma list (ValueError naming one that is not a row), else every row but those that
+    run only by name."""
+    if not only:
+        return tuple(r for r in DEFAULT_RUNS if not r.by_name)
+    keep = {r.strip() for r in only.split(",") if r.strip()}
+    unknown = sorted(keep - {r.name for r in DEFAULT_RUNS})
+    if unknown:
+        raise ValueError(f"unknown run {unknown[0]!r}; choose from {', '.join(r.name for r in DEFAULT_RUNS)}")
+    return tuple(r for r in DEFAULT_RUNS if r.name in keep)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from specrun.decoding.forward.paged_attention import PAGED_BACKENDS
 @click.option("--repeat", type=int, default=3, show_default=True, help="Timed runs per configuration, interleaved.")
 @click.option("--lengths", help="Comma list of generated lengths to report ratios at, e.g. 2048,8192,16384.")
 @click.option("--warmup", type=int, default=16, show_default=True, help="Untimed warm-up tokens per configuration.")
-@click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run).")
+@click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run, but the compiled_* "
+              "rows, which compile for minutes: name them).")
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False), help="GGUF file of the same model for the "
               "llama_cpp row (default: smollm2's own Q4_1 file with --model smollm2; other models: no llama_cpp row).")
 @click.option("--lockstep/--one-by-one", default=True, show_default=True,
@@ -75,12 +76,12 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
     from specrun.bench.llama_cpp import NOTE as LLAMA_NOTE
     from specrun.bench.report import add_roofline, annotate_divergences, render, summarize
     from specrun.bench.runner import (
-        DEFAULT_RUNS,
         BenchSettings,
         bench_params,
         drop_unrunnable,
         plan,
         run_bench,
+        select_runs,
     )
     from specrun.cli.generate import encode_prompt, load_for_cli
 
@@ -102,14 +103,10 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
                                  heads_path=str(heads_path) if heads_path else None, lockstep=lockstep)
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
-    runs = DEFAULT_RUNS
-    if only:
-        keep = {r.strip() for r in only.split(",") if r.strip()}
-        unknown = sorted(keep - {r.name for r in DEFAULT_RUNS})
-        if unknown:
-            raise click.BadParameter(f"unknown run {unknown[0]!r}; choose from "
-                                     f"{', '.join(r.name for r in DEFAULT_RUNS)}", param_hint="--runs")
-        runs = tuple(r for r in DEFAULT_RUNS if r.name in keep)
+    try:
+        runs = select_runs(only)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--runs") from None
     planned, notes = plan(base, settings.heads_path, runs)
     if params.stop or params.stop_token_ids:
         notes.append("--stop / --stop-token-id ignored: every run generates exactly --max-tokens tokens")

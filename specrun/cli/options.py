@@ -95,6 +95,10 @@ engine_options = stack_options(
     click.option("--attention", type=click.Choice(list(BACKENDS)), default="sdpa", show_default=True,
                  help="Attention backend: sdpa (one masked call, the reference) or split (unmasked prefix + masked "
                       "trie, merged by log-sum-exp)."),
+    click.option("--compile", "compile_layers", is_flag=True,
+                 help="CPU: run forwards of up to 64 rows through the layers compiled by torch.compile (inductor, "
+                      "weights frozen in; ~1.8x faster layers on smollm2, AVX2). Each row bucket compiles at start, "
+                      "~80 s on smollm2 with 2 threads: for long runs. Where specrun's own kernels run, they stay."),
 )
 
 
@@ -142,7 +146,8 @@ def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
 ENGINE_FLAGS = {"draft": "drafters", "trie_budget": "trie_budget", "ngram_topk": "ngram_topk",
                 "fixed_budget": "adaptive_budget", "heads_path": "heads_path", "drafter_path": "drafter_path",
                 "tree": "tree", "kv_mode": "kv_mode",
-                "kv_budget": "kv_budget", "kv_sinks": "kv_sinks", "attention": "attention"}
+                "kv_budget": "kv_budget", "kv_sinks": "kv_sinks", "attention": "attention",
+                "compile_layers": "compile_layers"}
 
 
 def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> EngineConfig:
@@ -151,7 +156,8 @@ def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> 
     fields = dict(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
                   adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"],
                   drafter_path=parse_drafter(kw["drafter_path"]), tree=parse_tree(kw["tree"]),
-                  kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"])
+                  kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"],
+                  compile_layers=kw.get("compile_layers", False))
     try:
         if base is None:
             return EngineConfig(**fields)

@@ -19,6 +19,7 @@ from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter, resolve_drafting
+from specrun.decoding.forward.compiled import announce_compile
 from specrun.decoding.forward.paged_attention import check_paged_backend
 from specrun.decoding.forward.paged_kv import SeqPages
 from specrun.decoding.forward.paged_runner import PagedRunner
@@ -69,6 +70,8 @@ class BatchEngine:
         self.lm, self.config, self.batch, self.heads = lm, config, batch, heads
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
+        if config.compile_layers:  # a step carries up to a width's rows per sequence
+            self.runner.use_compiled((config.trie_budget if names else 1) * batch.concurrency, announce_compile)
         # the self-drafters' partial caches rank slots by the last committed token's queries: verify keeps them
         self._capture = "heads" in names and config.kv_mode != "full"
         self.vocab_size = self.runner.lm_head.weight.shape[0]

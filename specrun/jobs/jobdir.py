@@ -31,9 +31,10 @@ from specrun.storage.records import Records
 from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import PROMPTS
 
-# manifest entries that change the generated tokens: they must match to resume (the attention backend can change the
-# logits' last bits); every other setting may change between attempts (jobs/attempts.py)
-OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "model.rope_scaling", "params", "engine.attention")
+# manifest entries that change the generated tokens: they must match to resume (the attention backend and compiled
+# layers can change the logits' last bits); every other setting may change between attempts (jobs/attempts.py)
+OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "model.rope_scaling", "params", "engine.attention",
+               "engine.compile_layers")
 # the top-level keys of a manifest (submit.build_manifest, and the checksums JobDir.create adds)
 MANIFEST_KEYS = {"specrun_version", "schema_version", "created_at", "input", "model", "params", "engine", "checkpoint",
                  "prompts_sha256", "checksum"}
@@ -265,7 +266,7 @@ def _param_defaults() -> dict:
 
 
 def _default(key: str):
-    return EngineConfig.attention if key == "engine.attention" else None
+    return getattr(EngineConfig, key.split(".", 1)[1]) if key.startswith("engine.") else None
 
 
 def _get(d: dict, dotted: str, default=None):

@@ -59,6 +59,17 @@ def test_bench_rejects_bad_flags(tiny_models):
     assert res.exit_code != 0 and "a,2" in res.output
 
 
+def test_rows_that_compile_run_only_by_name():
+    from specrun.bench.runner import DEFAULT_RUNS, select_runs
+
+    default = {r.name for r in select_runs(None)}
+    assert "specrun_ar" in default and not default & {"compiled_ar", "compiled_spec"}
+    assert {r.name for r in DEFAULT_RUNS} - default == {"compiled_ar", "compiled_spec"}
+    assert [r.name for r in select_runs("compiled_ar, specrun_ar")] == ["specrun_ar", "compiled_ar"]
+    with pytest.raises(ValueError, match="'nope'"):
+        select_runs("specrun_ar,nope")
+
+
 def _load_proxy_script():
     spec = importlib.util.spec_from_file_location("proxy_model", REPO / "bench" / "proxy_model.py")
     mod = importlib.util.module_from_spec(spec)
@@ -220,7 +231,10 @@ def test_the_roofline_without_bracketing_probes_is_the_median_runs_against_one_p
     from specrun.models.loader import load_model
 
     roof = roofline(load_model(tiny_models["llama_gqa"], dtype="float32"), 10, [40e9])  # one probe, two repeats
-    report = {"runs": [{"name": "specrun_ar", "tokens_per_s": 100.0, "tokens_per_s_all": [90.0, 110.0]}]}
+    report = {"runs": [{"name": "specrun_ar", "tokens_per_s": 100.0, "tokens_per_s_all": [90.0, 110.0]},
+                       {"name": "compiled_ar", "tokens_per_s": 150.0, "tokens_per_s_all": [150.0]},
+                       {"name": "compiled_spec", "tokens_per_s": 300.0, "tokens_per_s_all": [300.0]}]}
     add_roofline(report, roof)
     assert report["roofline"]["specrun_ar_share"] == pytest.approx(roof["min_seconds_per_token"] * 100.0)
-    assert "specrun_ar_shares" not in report["roofline"]
+    assert report["roofline"]["compiled_ar_share"] == pytest.approx(roof["min_seconds_per_token"] * 150.0)
+    assert "specrun_ar_shares" not in report["roofline"] and "compiled_spec_share" not in report["roofline"]

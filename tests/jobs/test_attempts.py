@@ -88,12 +88,14 @@ def test_runs_may_change_actors_drafting_and_cadence_each_is_recorded_and_output
     _interrupt_when(lambda: 40 in _spans(job))
     r = run.invoke(main, ["resume", str(job.root), "--actors", "2", "--draft", "none", "--checkpoint-every", "40", "-q"])
     assert r.exit_code == 130, r.output
-    # the attention backend is part of what the outputs are: refused, by resume and by a resubmit, nothing recorded
-    for args in (["resume", str(job.root), "--attention", "split"],
-                 ["submit", str(prompts), "--model", model, "--job-dir", str(job.root), *SAMPLING, "--attention",
-                  "split"]):
+    # the attention backend and compiled layers are part of what the outputs are: refused, by resume and by a
+    # resubmit, nothing recorded
+    for args, why in ((["resume", str(job.root), "--attention", "split"], "engine.attention: job has 'sdpa', now 'split'"),
+                      (["submit", str(prompts), "--model", model, "--job-dir", str(job.root), *SAMPLING, "--attention",
+                        "split"], "engine.attention: job has 'sdpa', now 'split'"),
+                      (["resume", str(job.root), "--compile"], "engine.compile_layers: job has False, now True")):
         r = run.invoke(main, args)
-        assert r.exit_code == 1 and "engine.attention: job has 'sdpa', now 'split'" in r.output, r.output
+        assert r.exit_code == 1 and why in r.output, r.output
     assert len(read_attempts(job)) == 2
     # 3: resumed with no flags: the job's settings as submitted
     r = run.invoke(main, ["resume", str(job.root), "-q"])

@@ -36,6 +36,12 @@ class PagedRunner:
                              lm.dtype, lm.device)
         self._flashinfer = FlashInferAttention(lm.device) if backend == "flashinfer" else None
         self.queries: list[torch.Tensor] = []  # per layer q [N, Hq, D] of the last forward that captured them
+        self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
+
+    def use_compiled(self, max_rows: int, progress=None) -> None:
+        """Forwards of up to 64 rows through compiled layers (decoder.compile_layers), compiled now."""
+        self.decoder.compile_layers(max_rows, progress)
+        self.compiled = True
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPages], tokens: list[torch.Tensor], positions: list[torch.Tensor],
@@ -54,7 +60,7 @@ class PagedRunner:
             self._flashinfer.plan(plan, dec.n_q, dec.n_kv, dec.head_dim, self.lm.dtype, dec.layers[0].scaling)
         queries = [] if capture_queries else None
         ctx = BatchContext(self.pool, plan, self.backend, self._flashinfer, selects=selects, queries=queries)
-        hidden = self.decoder(torch.cat(tokens), torch.cat(positions), ctx)
+        hidden = self.decoder(torch.cat(tokens), torch.cat(positions), ctx, self.compiled)
         if capture_queries:
             self.queries = queries
         return hidden

@@ -38,6 +38,12 @@ class ModelRunner:
         ours = lm.device.type == "cpu" and lm.dtype in (torch.bfloat16, torch.float32) and backend == "sdpa"
         fits = CpuKernels.attends(self.head_dim, cfg.num_attention_heads, self.n_kv_heads)
         self.kernels = cpu_kernels() if ours and fits else None  # attention of the sdpa backend
+        self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
+
+    def use_compiled(self, max_rows: int, progress=None) -> None:
+        """Forwards of up to 64 rows through compiled layers (decoder.compile_layers), compiled now."""
+        self.decoder.compile_layers(max_rows, progress)
+        self.compiled = True
 
     def reset(self, capacity: int) -> None:
         """Empty the cache, growing buffers if this generation needs more slots (whole blocks of SLOT_BLOCK: the
@@ -76,7 +82,7 @@ class ModelRunner:
         else:
             ctx = ForwardContext(self.cache, start, None, select=select, queries=queries, backend=self.backend)
         try:
-            hidden = self.decoder(tokens, positions, ctx)
+            hidden = self.decoder(tokens, positions, ctx, self.compiled)
         finally:
             if block is not None:
                 block.fill_(True)  # these slots are prefix (or free) for the next forward
