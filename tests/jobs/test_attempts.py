@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from specrun.cli import main
-from specrun.jobs.attempts import read_attempts
+from specrun.jobs.attempts import describe, read_attempts
 from specrun.jobs.jobdir import JobDir, manifest_differences
 from specrun.jobs.status import job_status, render_status
 from specrun.storage.chunks import _NAME
@@ -139,6 +139,19 @@ def test_a_manifest_older_than_the_attention_switch_counts_as_sdpa():
     assert manifest_differences(old, {"params": {}, "engine": {"attention": "sdpa"}}) == []
     assert manifest_differences(old, {"params": {}, "engine": {"attention": "split"}}) == [
         "engine.attention: job has 'sdpa', now 'split'"]
+
+
+def test_a_manifest_older_than_compiled_layers_counts_as_eager_and_a_compiled_run_says_so():
+    old = {"params": {}, "engine": {"drafters": None}}
+    assert manifest_differences(old, {"params": {}, "engine": {"compile_layers": False}}) == []
+    assert manifest_differences(old, {"params": {}, "engine": {"compile_layers": True}}) == [
+        "engine.compile_layers: job has False, now True"]
+    rec = {"attempt": 1, "started_at": 0, "host": "h", "settings": {
+        "device": "cpu", "dtype": "float32", "actors": None, "checkpoint": {"every": 64, "seconds": 60},
+        "engine": {"drafters": None, "trie_budget": 64, "adaptive_budget": True, "attention": "sdpa"}}}
+    assert "compiled" not in describe(rec)
+    rec["settings"]["engine"]["compile_layers"] = True
+    assert "sdpa, compiled layers, checkpoint every 64 tokens" in describe(rec)
 
 
 def test_unreadable_attempt_records_are_reported_not_raised(tmp_path):
