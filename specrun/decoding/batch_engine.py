@@ -19,7 +19,6 @@ from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import BatchedSelfDrafter, draft_batch
 from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter, resolve_drafting
-from specrun.decoding.forward.compiled import announce_compile
 from specrun.decoding.forward.paged_attention import check_paged_backend
 from specrun.decoding.forward.paged_kv import SeqPages
 from specrun.decoding.forward.paged_runner import PagedRunner
@@ -71,7 +70,7 @@ class BatchEngine:
         self.names = names
         self.runner = PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
         if config.compile_layers:  # a step carries up to a width's rows per sequence
-            self.runner.use_compiled((config.trie_budget if names else 1) * batch.concurrency, announce_compile)
+            self.runner.use_compiled((config.trie_budget if names else 1) * batch.concurrency)
         # the self-drafters' partial caches rank slots by the last committed token's queries: verify keeps them
         self._capture = "heads" in names and config.kv_mode != "full"
         self.vocab_size = self.runner.lm_head.weight.shape[0]

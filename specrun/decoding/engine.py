@@ -29,7 +29,6 @@ from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_draf
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import FusedDrafter, SelfDrafter, TreeTemplate
 from specrun.decoding.forward.attention import check_backend
-from specrun.decoding.forward.compiled import announce_compile
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.forward.static_step import StaticStep
@@ -152,7 +151,7 @@ class Engine:
         heads, self.recurrent, names = resolve_drafting(config, lm, heads)
         self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
         if config.compile_layers:  # plain AR forwards one row a step
-            self.runner.use_compiled(config.trie_budget if names else 1, announce_compile)
+            self.runner.use_compiled(config.trie_budget if names else 1)
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafters: list[Drafter] = [

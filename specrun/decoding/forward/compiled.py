@@ -18,6 +18,8 @@ import torch._dynamo.config
 import torch._inductor.config
 import torch.nn.functional as F
 
+from specrun.decoding.forward.decoder import rotated_qkv
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts compiled; a forward of more rows runs eagerly
 OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template, one K slice (the order of a row's sum
     # then does not depend on the rows beside it)
@@ -37,6 +39,8 @@ def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
     ctx, T = _current.ctx, _current.rows
     out = ctx.attend(layer, q[:T].transpose(0, 1)[None], k[:T].transpose(0, 1)[None], v[:T].transpose(0, 1)[None],
                      scaling)  # [1, T, Hq, D]
+    if T == q.shape[0]:
+        return out.reshape(T, -1)
     full = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
     full[:T] = out.reshape(T, -1)
     return full
@@ -47,49 +51,61 @@ def _(layer, q, k, v, scaling):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def _rope(x, cos, sin):
-    """# x: [R, Hx, D], cos/sin: [R, 1, D] -> [R, Hx, D]"""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+class _Layer(torch.nn.Module):
+    """One decoder layer as rotated_qkv reads it, its weights as buffers (freezing folds them into the graph)."""
+
+    def __init__(self, L):
+        super().__init__()
+        self.ln1, self.ln2, self.q_norm, self.k_norm, self.act = L.ln1, L.ln2, L.q_norm, L.k_norm, L.act
+        self.scaling = float(L.scaling)
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(L, name)
+            self.register_buffer(f"w_{name}", lin.weight)
+            self.register_buffer(f"b_{name}", lin.bias)
+
+    def qkv(self, x):
+        return F.linear(x, self.w_qkv, self.b_qkv)
+
+    def o(self, x):
+        return F.linear(x, self.w_o, self.b_o)
+
+    def gate_up(self, x):
+        return F.linear(x, self.w_gate_up, self.b_gate_up)
+
+    def down(self, x):
+        return F.linear(x, self.w_down, self.b_down)
 
 
 class _Stack(torch.nn.Module):
-    """The layers as one module whose weights are buffers (freezing folds them into the compiled graph)."""
+    """decoder.layer_stack over _Layers, attention through the opaque op."""
 
     def __init__(self, dec):
         super().__init__()
         self.n_q, self.n_kv, self.D, self.inter = dec.n_q, dec.n_kv, dec.head_dim, dec.inter
-        self.ln1 = torch.nn.ModuleList([L.ln1 for L in dec.layers])
-        self.ln2 = torch.nn.ModuleList([L.ln2 for L in dec.layers])
-        self.q_norm = torch.nn.ModuleList([L.q_norm or torch.nn.Identity() for L in dec.layers])
-        self.k_norm = torch.nn.ModuleList([L.k_norm or torch.nn.Identity() for L in dec.layers])
-        self.acts = [L.act for L in dec.layers]
-        self.scaling = [float(L.scaling) for L in dec.layers]
-        self.has_qk_norm = dec.layers[0].q_norm is not None
-        for i, L in enumerate(dec.layers):
-            for name in ("qkv", "o", "gate_up", "down"):
-                lin = getattr(L, name)
-                self.register_buffer(f"w{i}_{name}", lin.weight)
-                self.register_buffer(f"b{i}_{name}", lin.bias)
-
-    def _lin(self, i: int, name: str, x):
-        return F.linear(x, getattr(self, f"w{i}_{name}"), getattr(self, f"b{i}_{name}"))
+        self.layers = torch.nn.ModuleList([_Layer(L) for L in dec.layers])
 
     def forward(self, x, cos, sin):
         """# x: [R, H], cos/sin: [R, 1, D] -> [R, H] (before the final norm)"""
-        R, D, nq, nkv = x.shape[0], self.D, self.n_q, self.n_kv
-        for i in range(len(self.ln1)):
-            qkv = self._lin(i, "qkv", self.ln1[i](x))
-            qk = qkv[:, : (nq + nkv) * D].view(R, nq + nkv, D)
-            v = qkv[:, (nq + nkv) * D :].view(R, nkv, D)
-            if self.has_qk_norm:
-                qk = torch.cat((self.q_norm[i](qk[:, :nq]), self.k_norm[i](qk[:, nq:])), dim=1)
-            qk = _rope(qk, cos, sin)
-            out = torch.ops.specrun.attend(i, qk[:, :nq], qk[:, nq:], v, self.scaling[i])
-            x = x + self._lin(i, "o", out)
-            gu = self._lin(i, "gate_up", self.ln2[i](x))
-            x = x + self._lin(i, "down", self.acts[i](gu[:, : self.inter]) * gu[:, self.inter :])
+        nq = self.n_q
+        for i, L in enumerate(self.layers):
+            qk, v = rotated_qkv(L, x, cos, sin, nq, self.n_kv, self.D)
+            x = x + L.o(torch.ops.specrun.attend(i, qk[:, :nq], qk[:, nq:], v, L.scaling))
+            gu = L.gate_up(L.ln2(x))
+            x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
         return x
+
+
+def compile_layers(dec, max_rows: int) -> None:
+    """Run dec's forwards of up to max_rows rows (1-64) through compiled layers, compiling them now (progress on
+    stderr). CPU float32 or bfloat16; where our kernels run the layers (dec.cpu_layers) they stay the path."""
+    w = dec.layers[0].qkv.weight
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
+    if dec.cpu_layers is not None:
+        return
+    if dec.compiled is None:
+        dec.compiled = CompiledLayers(dec)
+    dec.compiled.warm(max_rows)
 
 
 def announce_compile(rows: int) -> None:
@@ -125,49 +141,43 @@ class CompiledLayers:
         """Whether a forward of `rows` rows has its bucket compiled (a forward never compiles one: warm does)."""
         return bucket_of(rows) in self._fns
 
-    def warm(self, max_rows: int, progress=None) -> None:
-        """Compile every bucket a forward of up to max_rows rows uses; progress(bucket) is called before each."""
-        w = self.stack.w0_qkv
+    def warm(self, max_rows: int) -> None:
+        """Compile every bucket a forward of up to max_rows rows uses."""
+        w = self.stack.layers[0].w_qkv
         for R in BUCKETS:
             if R > 1 and R // 2 >= max_rows:
                 break
-            if R not in self._fns:
-                if progress is not None:
-                    progress(R)
-                with torch.inference_mode():  # as the decoder's forwards run (dynamo guards on it)
-                    x = w.new_zeros(R, self.hidden)
-                    cos, sin = w.new_ones(R, 1, self.stack.D), w.new_zeros(R, 1, self.stack.D)  # apart: dynamo
-                    # guards on aliasing
-                    self(x, cos, sin, _NoAttention())
+            if R in self._fns:
+                continue
+            announce_compile(R)
+            t0 = time.perf_counter()
+            fn = torch.compile(self.stack, dynamic=False, fullgraph=True)
+            # a config patch, not torch.compile's options: freezing is decided outside the options' scope; every
+            # model's stack shares one forward code object, whose compiled entries dynamo caps (8 by default)
+            with torch.inference_mode(), torch._inductor.config.patch(OPTIONS), \
+                    torch._dynamo.config.patch(recompile_limit=RECOMPILES):  # inference mode: as the decoder's
+                # forwards run (dynamo guards on it); cos and sin apart (it guards on aliasing too)
+                x, cos, sin = w.new_zeros(R, self.hidden), w.new_ones(R, 1, self.stack.D), w.new_zeros(R, 1, self.stack.D)
+                self._run(fn, x, cos, sin, _NoAttention(), R)
+            self._fns[R], self.compile_seconds[R] = fn, time.perf_counter() - t0
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        """# x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm), T <= BUCKETS[-1]"""
+        """# x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm); T's bucket compiled (covers)"""
         T = x.shape[0]
         R = bucket_of(T)
         if R != T:  # pad to the bucket: padded rows attend nothing and are dropped
             x = torch.cat((x, x.new_zeros(R - T, x.shape[1])))
             cos = torch.cat((cos, cos[-1:].expand(R - T, -1, -1)))
             sin = torch.cat((sin, sin[-1:].expand(R - T, -1, -1)))
-        fn = self._fns.get(R)
+        self.calls += 1
+        return self._run(self._fns[R], x, cos, sin, ctx, T)[:T]
+
+    @staticmethod
+    def _run(fn, x, cos, sin, ctx, T: int) -> torch.Tensor:
+        """fn's output for the bucket's rows, the opaque attention op answering the first T through ctx."""
         _current.ctx, _current.rows = ctx, T
         try:
             with torch.no_grad():
-                if fn is not None:
-                    self.calls += 1
-                    return fn(x, cos, sin)[:T]
-                t0 = time.perf_counter()
-                self._fns[R], out = self._compiled(self.stack, x, cos, sin)
-                self.compile_seconds[R] = time.perf_counter() - t0
-                return out[:T]
+                return fn(x, cos, sin)
         finally:
             _current.ctx = None
-
-    @staticmethod
-    def _compiled(module, *inputs):
-        """(module compiled for these inputs' shapes, its output for them)."""
-        fn = torch.compile(module, dynamic=False, fullgraph=True)
-        # a config patch, not torch.compile's options: freezing is decided outside the options' scope; every
-        # model's stack shares one forward code object, whose compiled entries dynamo caps (8 by default)
-        with torch.no_grad(), torch._inductor.config.patch(OPTIONS), \
-                torch._dynamo.config.patch(recompile_limit=RECOMPILES):
-            return fn, fn(*inputs)

@@ -3,7 +3,7 @@
 Fused QKV and gate-up weights (one GEMV each instead of three and two: a memory-bound step reads the same bytes in
 fewer, larger calls), prepacked where that pays (linear.py), the HF model's own embedding, norm, rotary and activation
 modules; unsupported features refused. On CPU bf16 and float32 with our kernels the layers run in one call
-(cpu_layers.py); elsewhere on the CPU, once compile_layers ran, through inductor (compiled.py).
+(cpu_layers.py); elsewhere on the CPU, once compiled.compile_layers ran, through inductor (compiled.py).
 """
 
 from __future__ import annotations
@@ -143,22 +143,7 @@ class FusedDecoder:
         self.inter = self.layers[0].gate_up.weight.shape[0] // 2
         self.lm_head = Linear.of(model.get_output_embeddings())  # [V, H]
         self.cpu_layers = CpuLayers.of(self, cpu_kernels())  # CPU bf16 or float32: every layer in one call
-        self.compiled = None  # CompiledLayers once compile_layers ran
-
-    def compile_layers(self, max_rows: int, progress=None) -> None:
-        """Run forwards of up to max_rows rows (1-64) through layers compiled by inductor (compiled.py), compiling
-        them now. CPU float32 or bfloat16 where our kernels do not run the layers (they stay the path where they do).
-        """
-        from specrun.decoding.forward.compiled import CompiledLayers
-
-        w = self.layers[0].qkv.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
-        if self.cpu_layers is not None:
-            return
-        if self.compiled is None:
-            self.compiled = CompiledLayers(self)
-        self.compiled.warm(max_rows, progress)
+        self.compiled = None  # CompiledLayers once compiled.compile_layers ran
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx, compiled: bool = False) -> torch.Tensor:

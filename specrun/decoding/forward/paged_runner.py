@@ -38,9 +38,11 @@ class PagedRunner:
         self.queries: list[torch.Tensor] = []  # per layer q [N, Hq, D] of the last forward that captured them
         self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
 
-    def use_compiled(self, max_rows: int, progress=None) -> None:
-        """Forwards of up to 64 rows through compiled layers (decoder.compile_layers), compiled now."""
-        self.decoder.compile_layers(max_rows, progress)
+    def use_compiled(self, max_rows: int) -> None:
+        """Forwards of up to 64 rows through compiled layers (compiled.compile_layers), compiled now."""
+        from specrun.decoding.forward.compiled import compile_layers  # inductor loads only where asked for
+
+        compile_layers(self.decoder, max_rows)
         self.compiled = True
 
     @torch.inference_mode()
