@@ -140,7 +140,8 @@ def _contend(path: str, start, results, hold, links_ok: bool, slow: bool) -> Non
 @pytest.mark.parametrize("links_ok", [True, False], ids=["hard links", "no hard links"])
 @pytest.mark.parametrize("slow", [False, True], ids=["racing", "all judged stale first"])
 def test_concurrent_takeovers_of_a_stale_lock_have_exactly_one_winner(tmp_path, links_ok, slow):
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a child forked from pytest's threads (torch, Ray) can inherit a held lock and abort
+    ctx = mp.get_context("spawn")
     path = tmp_path / "lock.json"
     for round_ in range(3):
         _write(path, **_other_host(beat_age=1000))
@@ -155,6 +156,7 @@ def test_concurrent_takeovers_of_a_stale_lock_have_exactly_one_winner(tmp_path, 
         for p in procs:
             p.join(30)
         assert outcomes == ["held"] * 5 + ["won"], f"round {round_}: {outcomes}"
+        assert [p.exitcode for p in procs] == [0] * 6
         assert not path.exists()  # the winner released it
         assert [p.name for p in tmp_path.iterdir()] == []
 
