@@ -19,8 +19,9 @@ from specrun.decoding.forward.quant import GROUP, grid, quantizable
 
 # the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
 # token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV); WINDOW as the
-# self-draft's default kv_budget (a 1,024-slot window halved its acceptance past 1K tokens: docs/benchmarks.md)
-SINKS = 4
+# self-draft's default kv_budget (a 1,024-slot window halved its acceptance past 1K tokens: docs/benchmarks.md). 64
+# sinks, not 4: a chat prompt's opening (its system turn) keeps the draft on the model's track once the window slides
+SINKS = 64
 WINDOW = 4096
 BF16 = torch.bfloat16
 
