@@ -155,7 +155,7 @@ class Engine:
         self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafters: list[Drafter] = [
-            QuantDrafter(self.runner, quantized(self.runner.decoder)) if n == "quant" else
+            QuantDrafter(self.runner, quantized(self.runner.decoder, config.compile_layers)) if n == "quant" else
             make_drafter(n, config, heads, self.runner.lm_head, self.recycling,
                          lambda kv: SelfDrafter(self.runner, heads, config.tree, kv), self.recurrent) for n in names]
         self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.drafters.ngram import SuffixCopy
+from specrun.decoding.drafters.quant_ring import RingForward, ring_forward
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.kv_codes import KVCodes
@@ -88,12 +89,14 @@ class KernelForward:
         return kernels.rescore(coarse, counts, h, self.rows, theta, below)[0]
 
 
-def quantized(decoder) -> KernelForward | TorchForward | None:
+def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
     """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
-    it, else torch's int4 kernels (any CPU); None where neither does."""
+    it, else torch's int4 kernels (any CPU), compiled where `compiled` (--compile: quant_ring.py, compiled now); None
+    where neither takes it."""
     if not hasattr(decoder, "_specrun_q4"):
         decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
-    return decoder._specrun_q4
+    fwd = decoder._specrun_q4
+    return ring_forward(fwd) if compiled and isinstance(fwd, TorchForward) else fwd
 
 
 def quantized_rows(decoder) -> TorchForward | None:
@@ -158,7 +161,7 @@ def leaves_to_copy(ctx: DraftContext, copy: SuffixCopy | None) -> bool:
 class QuantDrafter:
     name = "quant"
 
-    def __init__(self, runner: ModelRunner, forward: KernelForward | TorchForward):
+    def __init__(self, runner: ModelRunner, forward: KernelForward | TorchForward | RingForward):
         self.runner = runner
         self.forward = forward
         self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
