@@ -1,4 +1,4 @@
-"""The quantized self-draft's forward compiled by inductor (with --compile): one static graph a drafted token, over a
+"""The quantized self-draft's forward compiled by inductor (with --compile): one graph a drafted token, over a
 bf16 ring of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
 
 RingForward(torch_forward) keeps TorchForward's contract for one sequence (start, begin, logits); warm() compiles it.
@@ -23,7 +23,6 @@ RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft
 # committed position the next draft's window still reads
 FIRST_SPAN = 512  # ring slots past the sinks for a new sequence, doubled (and synced anew) as its text outgrows them, up
 # to WINDOW + RESERVE: a short text's draft reads a short ring (one graph for every size: the ring's length is dynamic)
-DYNAMIC = True
 
 
 class _Linear(torch.nn.Module):
@@ -138,13 +137,12 @@ class RingForward:
             return
         print("specrun: compiling the 4-bit self-draft (torch.compile, once per process)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        fn = torch.compile(self.graph, dynamic=None if DYNAMIC else False, fullgraph=True)
+        fn = torch.compile(self.graph, fullgraph=True)
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
         with torch.inference_mode():
             k, v, mask = torch.zeros_like(self.k), torch.zeros_like(self.v), torch.zeros(self.k.shape[2])
-            if DYNAMIC:
-                for t, dim in ((k, 2), (v, 2), (mask, 0)):
-                    torch._dynamo.mark_dynamic(t, dim)
+            for t, dim in ((k, 2), (v, 2), (mask, 0)):  # the ring's length
+                torch._dynamo.mark_dynamic(t, dim)
             fn(torch.zeros((1, H), dtype=BF16), torch.ones((1, 1, D), dtype=BF16), torch.zeros((1, 1, D), dtype=BF16),
                k, v, mask)
         self.fn, self.compile_seconds = fn, time.perf_counter() - t0
