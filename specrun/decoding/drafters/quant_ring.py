@@ -15,56 +15,16 @@ import torch
 import torch._dynamo
 
 from specrun.decoding.drafters import quant_torch
-from specrun.decoding.drafters.quant_torch import BF16, Int4Linear, TorchForward, rescore
+from specrun.decoding.drafters.quant_torch import BF16, TorchForward, rescore
 from specrun.decoding.forward.decoder import rotated_qkv
-from specrun.decoding.forward.quant import GROUP
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
 # committed position the next draft's window still reads
+# inductor: a value read twice (the rotated query) stored, not recomputed inside the loop over keys (inlined, the
+# query's RoPE ran once per key and head); the graph's wrapper in C++ (a call's Python dispatch of ~180 kernels was ~2 ms)
+OPTIONS = {"realize_reads_threshold": 1, "cpp_wrapper": True}
 FIRST_SPAN = 512  # ring slots past the sinks for a new sequence, doubled (and synced anew) as its text outgrows them, up
 # to WINDOW + RESERVE: a short text's draft reads a short ring (one graph for every size: the ring's length is dynamic)
-
-
-class _Linear(torch.nn.Module):
-    """An Int4Linear or Int8Linear's product, its tensors as buffers."""
-
-    def __init__(self, lin):
-        super().__init__()
-        self.int4 = isinstance(lin, Int4Linear)
-        self.register_buffer("w", lin.packed if self.int4 else lin.q)
-        self.register_buffer("s", lin.scales)
-        self.register_buffer("b", lin.bias)
-        self.n = lin.n if self.int4 else lin.q.shape[0]
-
-    def forward(self, x):
-        """# x: [1, K] bf16 -> [1, N] bf16"""
-        if self.int4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, GROUP, self.s)[:, : self.n]
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.s)
-        return y if self.b is None else y + self.b
-
-
-class _Norm(torch.nn.Module):
-    def __init__(self, norm):
-        super().__init__()
-        self.register_buffer("weight", norm.weight)
-        self.eps = norm.eps
-
-    def forward(self, x):
-        return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-class _Layer(torch.nn.Module):
-    """A draft layer as rotated_qkv reads it (ln1, qkv, q_norm, k_norm)."""
-
-    def __init__(self, L):
-        super().__init__()
-        self.ln1, self.ln2 = _Norm(L.ln1), _Norm(L.ln2)
-        self.qkv, self.o, self.gate_up, self.down = (_Linear(m) for m in (L.qkv, L.o, L.gate_up, L.down))
-        self.q_norm = None if L.q_norm is None else _Norm(L.q_norm)
-        self.k_norm = None if L.k_norm is None else _Norm(L.k_norm)
-        self.act, self.scaling = L.act, float(L.scaling)
 
 
 class _Graph(torch.nn.Module):
@@ -74,8 +34,8 @@ class _Graph(torch.nn.Module):
         super().__init__()
         dec = fwd.dec
         self.nq, self.nkv, self.D, self.inter = dec.n_q, dec.n_kv, dec.head_dim, dec.inter
-        self.layers = torch.nn.ModuleList([_Layer(L) for L in fwd.layers])
-        self.norm, self.head = _Norm(fwd.norm), _Linear(fwd.head)
+        self.layers = torch.nn.ModuleList(fwd.layers)  # quant_torch's modules: the same tensors, no copy
+        self.norm, self.head = fwd.norm, fwd.head
 
     def forward(self, x, cos, sin, K, V, mask):
         """# x: [1, H] bf16, cos/sin: [1, 1, D], K/V: [Lyr, Hkv, R, D] bf16, mask: [R] float32 (0 or -inf)
@@ -137,7 +97,7 @@ class RingForward:
             return
         print("specrun: compiling the 4-bit self-draft (torch.compile, once per process)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        fn = torch.compile(self.graph, fullgraph=True)
+        fn = torch.compile(self.graph, fullgraph=True, options=OPTIONS)
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
         with torch.inference_mode():
             k, v, mask = torch.zeros_like(self.k), torch.zeros_like(self.v), torch.zeros(self.k.shape[2])

@@ -8,8 +8,6 @@ draft, then logits(i, tokens, counts, thetas, belows) per depth, a row per seque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -26,38 +24,41 @@ WINDOW = 4096
 BF16 = torch.bfloat16
 
 
-class Int4Linear:
+class Int4Linear(torch.nn.Module):
     """y = x W^T (+ b) with W on quant.py's grid, packed for torch's CPU int4 kernel (bf16 activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
         self.n = weight.shape[0]
         padded = weight.new_zeros((-(-self.n // 16) * 16, weight.shape[1]))  # the kernel packs rows 16 at a time
         padded[: self.n] = weight.detach()
         q, d, low = grid(padded)  # [N', K] codes, [N', G] float16 scale and minimum
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         d32 = d.float()
         # torch's kernel reads w = (q - 8) * scale + zero: zero = m + 8 d
-        self.scales = torch.stack((d32, low.float() + 8 * d32), dim=-1).transpose(0, 1).to(BF16).contiguous()  # [G, N, 2]
-        self.bias = None if bias is None else bias.detach().to(BF16)
+        self.register_buffer("scales", torch.stack((d32, low.float() + 8 * d32), dim=-1).transpose(0, 1).to(BF16)
+                             .contiguous())  # [G, N, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(BF16))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """# x: [T, K] bf16 -> [T, N] bf16"""
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         y = y if y.shape[-1] == self.n else y[:, : self.n]
         return y if self.bias is None else y + self.bias
 
 
-class Int8Linear:
+class Int8Linear(torch.nn.Module):
     """y = x W^T (+ b) with W in 8 bits, one symmetric scale a row, for torch's CPU int8 kernel (bf16 activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # [N]
-        self.q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()  # [N, K]
-        self.scales = scale.to(BF16)
-        self.bias = None if bias is None else bias.detach().to(BF16)
+        self.register_buffer("q", (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous())  # [N, K]
+        self.register_buffer("scales", scale.to(BF16))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(BF16))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """# x: [T, K] bf16 -> [T, N] bf16"""
         y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         return y if self.bias is None else y + self.bias
@@ -75,28 +76,30 @@ def on_grid(weights: list[torch.Tensor]) -> bool:
     return moved <= 0.05 * steps
 
 
-class _Norm:
+class _Norm(torch.nn.Module):
     """RMSNorm in bf16 (torch's fused op: a draft's values need only be close to the model's)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.weight, self.eps = module.weight.detach().to(BF16), float(module.variance_epsilon)
+        super().__init__()
+        self.register_buffer("weight", module.weight.detach().to(BF16))
+        self.eps = float(module.variance_epsilon)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-@dataclass
-class _Layer:
-    ln1: _Norm
-    ln2: _Norm
-    qkv: Int4Linear | Int8Linear
-    o: Int4Linear | Int8Linear
-    gate_up: Int4Linear | Int8Linear
-    down: Int4Linear | Int8Linear
-    act: torch.nn.Module
-    q_norm: _Norm | None
-    k_norm: _Norm | None
-    scaling: float
+class _Layer(torch.nn.Module):
+    """A draft layer as rotated_qkv reads it (ln1, qkv, q_norm, k_norm); its parts are modules, so a compiled graph
+    (quant_ring's) takes their tensors as inputs."""
+
+    def __init__(self, L, Lin: type[Int4Linear | Int8Linear]):
+        super().__init__()
+        self.ln1, self.ln2 = _Norm(L.ln1), _Norm(L.ln2)
+        self.qkv, self.o = Lin(L.qkv.weight, L.qkv.bias), Lin(L.o.weight)
+        self.gate_up, self.down = Lin(L.gate_up.weight), Lin(L.down.weight)
+        self.act, self.scaling = L.act, float(L.scaling)
+        self.q_norm = None if L.q_norm is None else _Norm(L.q_norm)
+        self.k_norm = None if L.k_norm is None else _Norm(L.k_norm)
 
 
 def rescore(coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor, theta: float,
@@ -140,10 +143,7 @@ class TorchForward:
         self.bits = bits or (4 if on_grid([first.qkv.weight, first.o.weight, first.gate_up.weight, first.down.weight])
                              else 8)
         Lin = Int4Linear if self.bits == 4 else Int8Linear
-        self.layers = [_Layer(_Norm(L.ln1), _Norm(L.ln2), Lin(L.qkv.weight, L.qkv.bias), Lin(L.o.weight),
-                              Lin(L.gate_up.weight), Lin(L.down.weight), L.act,
-                              None if L.q_norm is None else _Norm(L.q_norm), None if L.k_norm is None else _Norm(L.k_norm),
-                              L.scaling) for L in dec.layers]
+        self.layers = [_Layer(L, Lin) for L in dec.layers]
         self.norm = _Norm(dec.norm)
         self.head = Int4Linear(dec.lm_head.weight)
         self.rows = dec.lm_head.weight  # [V, H]: rescore's
