@@ -127,8 +127,8 @@ class _NoAttention:
 
 
 class CompiledLayers:
-    """Per bucket the layers compiled once, at warm-up (inductor's graph cache skips graphs with frozen
-    weights, so every process compiles again); `compile_seconds` records what each bucket took."""
+    """Per bucket the layers compiled once, at warm-up (inductor's graph cache bypasses them: freezing's mkldnn-packed
+    weights do not pickle, so every process compiles again); `compile_seconds` records what each bucket took."""
 
     def __init__(self, dec):
         self.stack = _Stack(dec).eval()
