@@ -16,7 +16,7 @@ import torch._dynamo
 
 from specrun.decoding.drafters import quant_torch
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward, rescore
-from specrun.decoding.forward.decoder import rotated_qkv
+from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
 # committed position the next draft's window still reads
@@ -53,8 +53,7 @@ class _Graph(torch.nn.Module):
             o = ((p[..., None] * V[j][:, None].float()).sum(-2) + p_own * v.float()[:, None]) \
                 / (p.sum(-1, keepdim=True) + p_own)  # [Hkv, G, D]
             x = x + L.o(o.reshape(1, nq * D).to(BF16))
-            gu = L.gate_up(L.ln2(x))
-            x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
+            x = mlp_residual(L, x, self.inter)
             ks.append(k)
             vs.append(v)
         h = self.norm(x)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specrun.decoding.forward.attention import attend_lse, merge_states
-from specrun.decoding.forward.decoder import rotated_qkv
+from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 from specrun.decoding.forward.quant import GROUP, grid, quantizable
 
 # the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
@@ -181,8 +181,7 @@ class TorchForward:
                 cache.v[j, :, slot] = v[b]
                 out[b] = self._attend(cache, j, qk[b, :nq], slot + 1, L.scaling)
             x = x + L.o(out.view(B, nq * D))
-            gu = L.gate_up(L.ln2(x))  # [B, 2I]
-            x = x + L.down(L.act(gu[:, : dec.inter]) * gu[:, dec.inter :])
+            x = mlp_residual(L, x, dec.inter)
         h = self.norm(x)
         coarse = self.head(h).float()  # [B, V]
         return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.rows, thetas[b], belows[b])

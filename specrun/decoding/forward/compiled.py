@@ -18,7 +18,7 @@ import torch._dynamo.config
 import torch._inductor.config
 import torch.nn.functional as F
 
-from specrun.decoding.forward.decoder import rotated_qkv
+from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts compiled; a forward of more rows runs eagerly
 OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template, one K slice (the order of a row's sum
@@ -90,8 +90,7 @@ class _Stack(torch.nn.Module):
         for i, L in enumerate(self.layers):
             qk, v = rotated_qkv(L, x, cos, sin, nq, self.n_kv, self.D)
             x = x + L.o(torch.ops.specrun.attend(i, qk[:, :nq], qk[:, nq:], v, L.scaling))
-            gu = L.gate_up(L.ln2(x))
-            x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
+            x = mlp_residual(L, x, self.inter)
         return x
 
 

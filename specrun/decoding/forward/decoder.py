@@ -121,6 +121,14 @@ def rotated_qkv(L, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: in
     return apply_rope(qk, cos, sin), v  # q and k heads in one pass: elementwise, so the same values as two
 
 
+def mlp_residual(L, x: torch.Tensor, inter: int) -> torch.Tensor:
+    """x plus a layer's (anything with ln2, gate_up, down, act) gated MLP of it.
+
+    # x: [T, H] -> [T, H]
+    """
+    gu = L.gate_up(L.ln2(x))  # [T, 2I]
+    return x + L.down(L.act(gu[:, :inter]) * gu[:, inter:])
+
 class FusedDecoder:
     @classmethod
     def of(cls, model) -> FusedDecoder:
@@ -190,6 +198,5 @@ class FusedDecoder:
             out = ctx.attend(i, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                              L.scaling)  # [1, T, Hq, D]
             x = x + L.o(out.reshape(T, nq * D))
-            gu = L.gate_up(L.ln2(x))  # [T, 2I]
-            x = x + L.down(L.act(gu[:, : self.inter]) * gu[:, self.inter :])
+            x = mlp_residual(L, x, self.inter)
         return x
