@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from specrun.decoding.stats import rss_mb
 from specrun.storage.atomic import read_json
 from specrun.storage.chunks import write_chunk
 from specrun.storage.fs import job_path
@@ -269,7 +270,7 @@ class _Checkpointer:
     def _row(self, start: int, end: int) -> None:
         now, counters = time.monotonic(), self.stats().snapshot()
         self.timeline.add(chunk_row(self.timeline.attempt, start, end, now - self.row_at, time.time(), self.row_stats,
-                                    counters, socket.gethostname(), self.w.slot))
+                                    counters, socket.gethostname(), self.w.slot, rss_mb()))
         self.row_at, self.row_stats = now, counters
         self.best_effort("timeline", self.timeline.save)
 

@@ -9,6 +9,7 @@ ones so a checkpointer can tell what happened between two checkpoints.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -19,6 +20,15 @@ LENGTH_BUCKET = 512  # acceptance is also kept per bucket of generated length (d
 # while the text goes on with them). A reference for what good drafts give, not a ceiling: a less likely first token
 # can lead to a surer continuation, and a tree drafts several
 ORACLE_DEPTHS = (1, 2, 4, 8)
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory now, in MB (None where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class GenStats:
@@ -38,7 +48,9 @@ class GenStats:
         self.likeliest = 0  # sampled tokens that were their row's most likely token (of self.sampled_tokens)
         self.sampled_tokens = 0
         self.oracle = {d: [0, 0] for d in ORACLE_DEPTHS}  # depth -> [steps so far, depth reached in the open step]
-        self.buckets: dict[int, list] = {}  # bucket index -> [steps, tokens, Counter of tokens by drafter]
+        # bucket index -> [steps, tokens, Counter of tokens by drafter, trie nodes, draft seconds, RSS MB at its start]
+        self.buckets: dict[int, list] = {}
+        self._drafted_at = 0.0  # phase["draft"] at the last record_step: each step's draft seconds go to its bucket
         self.phase = dict.fromkeys(PHASES, 0.0)
         self.t0 = time.perf_counter()
 
@@ -53,10 +65,14 @@ class GenStats:
     def record_step(self, emitted: int, trie_nodes: int, trie_depth: int, accepted_sources: list[int],
                     generated: int = 0, width: int = 1) -> None:
         """generated: tokens generated before this step (its length bucket); width: the trie width chosen for it."""
-        bucket = self.buckets.setdefault(generated // LENGTH_BUCKET, [0, 0, Counter()])
+        b = generated // LENGTH_BUCKET
+        bucket = self.buckets.get(b) or self.buckets.setdefault(b, [0, 0, Counter(), 0, 0.0, rss_mb()])
         bucket[0] += 1
         bucket[1] += emitted
         bucket[2].update(self.drafter_names[s] for s in accepted_sources)
+        bucket[3] += trie_nodes
+        bucket[4] += self.phase["draft"] - self._drafted_at
+        self._drafted_at = self.phase["draft"]
         self.steps += 1
         self.new_tokens += emitted
         self.nodes += trie_nodes
@@ -93,7 +109,7 @@ class GenStats:
 
     def snapshot(self) -> dict:
         """The cumulative counters a timeline row is the difference of (O(drafters + phases + widths), not O(steps))."""
-        return {"steps": self.steps, "tokens": self.new_tokens, "by_drafter": dict(self.by_drafter),
+        return {"steps": self.steps, "tokens": self.new_tokens, "nodes": self.nodes, "by_drafter": dict(self.by_drafter),
                 "phase": dict(self.phase), "widths": dict(self.widths)}
 
     def as_dict(self) -> dict:
@@ -110,8 +126,11 @@ class GenStats:
             "beta": self.ngram_steps / self.steps if self.steps else 0.0,
             "kv_rebuilds": self.kv_rebuilds,
             "by_length": [{"from": b * LENGTH_BUCKET, "steps": n, "mean_accepted": t / n,
-                           "tokens_by_drafter": {d: c.get(d, 0) for d in self.drafter_names}}
-                          for b, (n, t, c) in sorted(self.buckets.items())],
+                           "tokens_by_drafter": {d: c.get(d, 0) for d in self.drafter_names},
+                           # a drafted node's cost: the bucket's draft seconds over the nodes past the steps' roots
+                           "draft_ms_per_node": 1e3 * drafted / (nodes - n) if nodes > n else None,
+                           "rss_mb": rss}
+                          for b, (n, t, c, nodes, drafted, rss) in sorted(self.buckets.items())],
             "acceptance_nodes": self.accept_nodes,
             "expected_acceptance": self.expected_sum / self.accept_nodes if self.accept_nodes else None,
             "observed_acceptance": self.observed_sum / self.accept_nodes if self.accept_nodes else None,

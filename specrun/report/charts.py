@@ -16,7 +16,9 @@ JOB = "all prompts"
 POSITION = "generated tokens"
 CURVES = (("speed", "tokens_per_s", "Tokens per second", "tok/s"),
           ("acceptance", "accepted", "Accepted tokens per step", "tokens / step"),
-          ("width", "width", "Trie width chosen", "nodes (mean per chunk)"))
+          ("width", "width", "Trie width chosen", "nodes (mean per chunk)"),
+          ("draft", "draft_ms", "Drafting per drafted node", "ms"),
+          ("memory", "rss_mb", "Worker memory (resident)", "MB"))
 
 
 @dataclass(frozen=True)

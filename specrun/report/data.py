@@ -83,11 +83,15 @@ def totals(rows: list[dict]) -> dict:
 
 
 def rates(rows: list[dict]) -> dict:
-    """Per row (x = generated position at its end): tok/s, accepted tokens per step, mean trie width chosen."""
+    """Per row (x = generated position at its end): tok/s, accepted tokens per step, mean trie width chosen, ms of
+    drafting per drafted node, the worker's resident memory (the last two None in rows written before them)."""
     return {"x": [r["end"] for r in rows],
             "tokens_per_s": [_ratio(r["end"] - r["start"], r["seconds"]) for r in rows],
             "accepted": [_ratio(r["end"] - r["start"], r["steps"]) for r in rows],
-            "width": [_mean_width(r["width_steps"]) for r in rows]}
+            "width": [_mean_width(r["width_steps"]) for r in rows],
+            "draft_ms": [_ratio(1e3 * r["phase_seconds"].get("draft", 0.0), r["nodes"] - r["steps"])
+                         if r.get("nodes") is not None else None for r in rows],
+            "rss_mb": [r.get("rss_mb") for r in rows]}
 
 
 def pooled_rates(prompts: list[PromptReport]) -> dict:
@@ -105,8 +109,11 @@ def pooled_rates(prompts: list[PromptReport]) -> dict:
     merged = []
     for b in sorted(bins):
         t = totals(bins[b])
+        nodes = [r.get("nodes") for r in bins[b]]
+        memory = [r["rss_mb"] for r in bins[b] if r.get("rss_mb") is not None]
         merged.append({"start": 0, "end": t["tokens"], "steps": t["steps"], "seconds": t["seconds"],
-                       "width_steps": t["widths"]})
+                       "width_steps": t["widths"], "phase_seconds": t["phase"],
+                       "nodes": None if None in nodes else sum(nodes), "rss_mb": max(memory, default=None)})
     out = rates(merged)
     out["x"] = [statistics.fmean(r["end"] for r in bins[b]) for b in sorted(bins)]
     return out

@@ -62,6 +62,10 @@ TIMELINE = pa.schema([  # one row per checkpoint chunk of a prompt, and one for 
     pa.field("width_steps", pa.map_(pa.int32(), pa.int64()), nullable=False),  # trie width chosen -> steps
     pa.field("host", pa.string(), nullable=False),
     pa.field("slot", pa.int32(), nullable=False),  # the worker's slot
+    # null in rows written before these fields: trie nodes verified (the drafted ones: nodes - steps), and the worker
+    # process's resident memory at the row, in MB (flat over a long run, or something grows with the text)
+    pa.field("nodes", pa.int64()),
+    pa.field("rss_mb", pa.float64()),
 ])
 # finished prompts' timelines merged into one file by the driver's compaction (storage/timeline.py merge_timelines)
 MERGED_TIMELINE = pa.schema([pa.field("id", pa.string(), nullable=False), *TIMELINE])

@@ -43,8 +43,9 @@ def read_timeline(path: str | os.PathLike) -> list[dict]:
 
 
 def chunk_row(attempt: int, start: int, end: int, seconds: float, ended_at: float, before: dict, after: dict,
-              host: str, slot: int) -> dict:
-    """The row for tokens [start, end): the difference of two GenStats.snapshot()s ({} = a generation's start)."""
+              host: str, slot: int, rss_mb: float | None = None) -> dict:
+    """The row for tokens [start, end): the difference of two GenStats.snapshot()s ({} = a generation's start);
+    rss_mb: the worker's resident memory now."""
 
     def diff(key: str) -> dict:
         old = before.get(key, {})
@@ -52,7 +53,8 @@ def chunk_row(attempt: int, start: int, end: int, seconds: float, ended_at: floa
 
     return {"attempt": attempt, "start": start, "end": end, "steps": after["steps"] - before.get("steps", 0),
             "seconds": seconds, "ended_at": ended_at, "phase_seconds": diff("phase"),
-            "accepted_by_drafter": diff("by_drafter"), "width_steps": diff("widths"), "host": host, "slot": slot}
+            "accepted_by_drafter": diff("by_drafter"), "width_steps": diff("widths"), "host": host, "slot": slot,
+            "nodes": after.get("nodes", 0) - before.get("nodes", 0), "rss_mb": rss_mb}
 
 
 class TimelineLog:

@@ -55,9 +55,10 @@ def _covers(rows, n: int) -> None:
 
 
 def _sums(rows) -> dict:
-    out = {"steps": 0, "by_drafter": {}}
+    out = {"steps": 0, "nodes": 0, "by_drafter": {}}
     for r in rows:
         out["steps"] += r["steps"]
+        out["nodes"] += r["nodes"]
         for k, v in r["accepted_by_drafter"].items():
             out["by_drafter"][k] = out["by_drafter"].get(k, 0) + v
     return out
@@ -84,6 +85,8 @@ def test_rows_cover_every_token_once_across_a_stop_and_a_resume(model, tmp_path)
     stats, sums = res["stats"], _sums(second)
     # the attempt's rows split its engine counters exactly, the tail after the last chunk included
     assert sums["steps"] == stats["steps"]
+    assert sums["nodes"] == round(stats["mean_trie_nodes"] * stats["steps"]) > sums["steps"]  # drafted nodes too
+    assert all(r["rss_mb"] > 0 for r in rows)  # the worker's memory at each row
     assert sums["by_drafter"] == {k: v for k, v in stats["tokens_by_drafter"].items() if v}
     assert all(sum(r["width_steps"].values()) == r["steps"] for r in rows)
     assert {w for r in rows for w in r["width_steps"]} <= set(candidate_widths(16))

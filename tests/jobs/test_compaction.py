@@ -19,7 +19,8 @@ IDS = [f"p{i}" for i in range(6)]
 def _finish(rec: Records, pid: str, n_chunks: int) -> list[dict]:
     """What a worker and the driver leave for a finished prompt: its timeline, then its output part."""
     rows = [{"attempt": 1, "start": 3 * i, "end": 3 * i + 3, "steps": 1, "seconds": 0.5, "ended_at": 1e9,
-             "phase_seconds": {}, "accepted_by_drafter": {}, "width_steps": {1: 1}, "host": "h", "slot": 0}
+             "phase_seconds": {}, "accepted_by_drafter": {}, "width_steps": {1: 1}, "host": "h", "slot": 0,
+             "nodes": 1, "rss_mb": 50.0}
             for i in range(n_chunks)]
     atomic_write_table(timeline_path(rec.root, pid), pa.Table.from_pylist(rows, schema=TIMELINE))
     rec.write_output(output_row(pid, list(range(3 * n_chunks)), pid, "length", {"steps": n_chunks}, prompt_tokens=1,

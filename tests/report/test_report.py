@@ -109,10 +109,16 @@ def test_the_resumed_job_covers_every_token_once_and_marks_each_resume(job):
         assert totals(last)["steps"] == out["steps"] == stats["steps"]  # the run that finished, split exactly
         assert totals(last)["widths"] == {int(w): n for w, n in stats["widths"].items()}
         marks = [c.marks for c in prompt_charts(p)]
-        assert marks == [[(resumed_at, "resume (attempt 2)")] if resumed_at else []] * 3
+        assert marks == [[(resumed_at, "resume (attempt 2)")] if resumed_at else []] * 5
     assert sorted(len(p.resumes) for p in rep.prompts) == [0, 1]
     charts = {c.key: c for c in job_charts(rep, max_prompts=20)}
-    assert set(charts) == {"speed", "acceptance", "width", "timeline", "phases", "drafters", "distinct"}
+    assert set(charts) == {"speed", "acceptance", "width", "draft", "memory", "timeline", "phases", "drafters",
+                           "distinct"}
+    for key in ("draft", "memory"):  # every row has its drafting cost and the worker's memory, the pooled curve too
+        for series in charts[key].series:
+            if series.name != "resume":
+                assert series.y and all(y > 0 for y in series.y), (key, series)
+    assert len(charts["memory"].series[0].y) == len(rep.prompts[0].rows)
     for key in ("speed", "acceptance", "width", "timeline"):
         names = [s.name for s in charts[key].series]
         assert names[:2] == [p["id"] for p in PROMPTS] and "resume" in names
@@ -130,7 +136,7 @@ def test_cli_writes_an_offline_page_and_the_pngs(job, tmp_path):
     page = (tmp_path / "r.html").read_text("utf-8")
     assert not _links(page)  # plotly.js is inlined: the page names no script, style or image to fetch
     assert "resume (attempt 2)" in page and "b&lt;/script&gt;&lt;i&gt;2" in page and PROMPTS[1]["id"] not in page
-    for key in ("speed", "acceptance", "width", "timeline", "phases", "drafters", "distinct"):
+    for key in ("speed", "acceptance", "width", "draft", "memory", "timeline", "phases", "drafters", "distinct"):
         assert (tmp_path / f"r-{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert CliRunner().invoke(main, ["report", str(job.root), "--no-png", "--prompts", "1"]).exit_code == 0
     assert "1 more prompt(s)" in (job.root / "report.html").read_text("utf-8")  # the default place: JOB/report.html
@@ -165,11 +171,11 @@ def test_the_page_renders_in_headless_chromium_with_every_chart_drawn(job, tmp_p
     try:
         driver.get(page.as_uri())
         plots = driver.find_elements(By.CSS_SELECTOR, "div.js-plotly-plot")
-        assert len(plots) == 7 + 3 * len(PROMPTS)  # the job's charts, then three per prompt
+        assert len(plots) == 9 + 5 * len(PROMPTS)  # the job's charts, then five per prompt
         for plot in plots:  # drawn: an SVG with a data trace holding a drawn line, marker or bar
             assert plot.find_elements(By.CSS_SELECTOR, "svg.main-svg g.trace path")
         marks = driver.find_elements(By.XPATH, "//*[name()='text' and contains(., 'resume (attempt 2)')]")
-        assert len(marks) == 3  # the resumed prompt's three charts
+        assert len(marks) == 5  # the resumed prompt's five charts
         errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
         assert not errors, errors
         fetched = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")

@@ -22,7 +22,7 @@ IDS = ["a/1", "b", "c", "running"]
 def _rows(n_chunks: int, attempt: int = 1, seconds: float = 1.0) -> list[dict]:
     return [{"attempt": attempt, "start": 4 * i, "end": 4 * i + 4, "steps": 2, "seconds": seconds, "ended_at": 1e9 + i,
              "phase_seconds": {"verify": 0.5}, "accepted_by_drafter": {"ngram": i}, "width_steps": {1: 2},
-             "host": "h", "slot": 0} for i in range(n_chunks)]
+             "host": "h", "slot": 0, "nodes": 3, "rss_mb": 100.0 + i} for i in range(n_chunks)]
 
 
 def _write_own(root, pid: str, rows: list[dict]) -> None:
@@ -54,6 +54,17 @@ def test_finished_prompts_move_into_one_merged_file_with_their_ids(job):
     assert read_timelines(root, IDS) == rows  # the running prompt from its own file, the others from the merged one
     merge_timelines(root, IDS, fold=True)  # the job is done: everything in one file
     assert len(_files(root)) == 1 and read_timelines(root, IDS) == rows
+
+
+def test_files_written_before_the_nodes_and_memory_fields_read_and_merge_with_them_empty(job):
+    root, rows = job
+    old_schema = pa.schema([f for f in TIMELINE if f.name not in ("nodes", "rss_mb")])
+    old = [{k: v for k, v in r.items() if k in old_schema.names} for r in _rows(3)]
+    atomic_write_table(timeline_path(root, "b"), pa.Table.from_pylist(old, schema=old_schema))
+    expected = [r | {"nodes": None, "rss_mb": None} for r in old]
+    assert read_timelines(root, ["b"]) == {"b": expected}
+    merge_timelines(root, IDS, fold=True)
+    assert read_timelines(root, IDS) == rows | {"b": expected}
 
 
 def test_a_crash_at_any_point_loses_no_row_and_shows_none_twice(job, monkeypatch):
