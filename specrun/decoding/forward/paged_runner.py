@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import BatchContext, FlashInferAttention, resolve_backend
 from specrun.decoding.forward.paged_kv import PagePool, SeqPages
 from specrun.decoding.forward.plan import build_plan
+from specrun.decoding.forward.runner import DecoderRunner
 
 if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
@@ -25,25 +25,14 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * n_kv * head_dim * torch.finfo(dtype).bits // 8
 
 
-class PagedRunner:
+class PagedRunner(DecoderRunner):
     def __init__(self, lm: LoadedModel, kv_tokens: int, page_size: int = 1, backend: str = "auto"):
-        self.lm = lm
-        self.decoder = FusedDecoder.of(lm.model)  # refuses architectures and features it would get wrong
+        super().__init__(lm)
         self.backend = backend = resolve_backend(backend, lm.dtype, lm.device, self.decoder.head_dim)
-        self.lm_head = self.decoder.lm_head
         dec = self.decoder
         self.pool = PagePool(len(dec.layers), -(-kv_tokens // page_size), page_size, dec.n_kv, dec.head_dim,
                              lm.dtype, lm.device)
         self._flashinfer = FlashInferAttention(lm.device) if backend == "flashinfer" else None
-        self.queries: list[torch.Tensor] = []  # per layer q [N, Hq, D] of the last forward that captured them
-        self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
-
-    def use_compiled(self, max_rows: int) -> None:
-        """Forwards of up to 64 rows through compiled layers (compiled.compile_layers), compiled now."""
-        from specrun.decoding.forward.compiled import compile_layers  # inductor loads only where asked for
-
-        compile_layers(self.decoder, max_rows)
-        self.compiled = True
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPages], tokens: list[torch.Tensor], positions: list[torch.Tensor],
@@ -66,10 +55,6 @@ class PagedRunner:
         if capture_queries:
             self.queries = queries
         return hidden
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """# hidden: [N, H] -> [N, V] (FusedDecoder.logits)"""
-        return self.decoder.logits(hidden)
 
     def prefill(self, sp: SeqPages, tokens: torch.Tensor, chunk: int, capture_queries: bool = False) -> None:
         """Commit K/V for tokens at positions [length, length+P) in causal chunks (queries kept for the last).

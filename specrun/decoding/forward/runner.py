@@ -20,24 +20,15 @@ if TYPE_CHECKING:
     from specrun.models.loader import LoadedModel
 
 
-class ModelRunner:
-    def __init__(self, lm: LoadedModel, max_rows: int, backend: str = "sdpa"):  # backend: checked by EngineConfig
+class DecoderRunner:
+    """What both runners share (this one and paged_runner's): the model's fused decoder and LM head, the queries of
+    the last forward that captured them, and forwards through compiled layers once use_compiled is called."""
+
+    def __init__(self, lm: LoadedModel):
         self.lm = lm
-        self.backend = backend
-        self.model = lm.model
-        self.decoder = FusedDecoder.of(self.model)  # refuses architectures and features it would get wrong
+        self.decoder = FusedDecoder.of(lm.model)  # refuses architectures and features it would get wrong
         self.lm_head = self.decoder.lm_head
-        cfg = self.model.config
-        self.n_layers = cfg.num_hidden_layers
-        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.max_rows = max_rows  # most tokens in one forward (trie budget or prefill chunk)
-        self.cache: KVCache | None = None
-        self.mask_buf: torch.Tensor | None = None  # [max_rows, capacity] bool, all True outside a forward
-        self.queries: list[torch.Tensor] = []  # per layer q [Hq, T, D] of the last forward that captured them
-        ours = lm.device.type == "cpu" and lm.dtype in (torch.bfloat16, torch.float32) and backend == "sdpa"
-        fits = CpuKernels.attends(self.head_dim, cfg.num_attention_heads, self.n_kv_heads)
-        self.kernels = cpu_kernels() if ours and fits else None  # attention of the sdpa backend
+        self.queries: list[torch.Tensor] = []  # per layer: ModelRunner's q [Hq, T, D], PagedRunner's [N, Hq, D]
         self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
 
     def use_compiled(self, max_rows: int) -> None:
@@ -46,6 +37,27 @@ class ModelRunner:
 
         compile_layers(self.decoder, max_rows)
         self.compiled = True
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """# hidden: [T, H] -> [T, V] (FusedDecoder.logits)"""
+        return self.decoder.logits(hidden)
+
+
+class ModelRunner(DecoderRunner):
+    def __init__(self, lm: LoadedModel, max_rows: int, backend: str = "sdpa"):  # backend: checked by EngineConfig
+        super().__init__(lm)
+        self.backend = backend
+        self.model = lm.model
+        cfg = self.model.config
+        self.n_layers = cfg.num_hidden_layers
+        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_rows = max_rows  # most tokens in one forward (trie budget or prefill chunk)
+        self.cache: KVCache | None = None
+        self.mask_buf: torch.Tensor | None = None  # [max_rows, capacity] bool, all True outside a forward
+        ours = lm.device.type == "cpu" and lm.dtype in (torch.bfloat16, torch.float32) and backend == "sdpa"
+        fits = CpuKernels.attends(self.head_dim, cfg.num_attention_heads, self.n_kv_heads)
+        self.kernels = cpu_kernels() if ours and fits else None  # attention of the sdpa backend
 
     def reset(self, capacity: int) -> None:
         """Empty the cache, growing buffers if this generation needs more slots (whole blocks of SLOT_BLOCK: the
@@ -91,10 +103,6 @@ class ModelRunner:
         if capture_queries:
             self.queries = queries
         return hidden
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """# hidden: [T, H] -> [T, V] (FusedDecoder.logits)"""
-        return self.decoder.logits(hidden)
 
     def prefill(self, tokens: torch.Tensor, chunk: int, capture_queries: bool = False) -> None:
         """Commit K/V for tokens at positions [length, length+P) in causal chunks (queries kept for the last).
