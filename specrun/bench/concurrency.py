@@ -100,8 +100,14 @@ def _merge_widths(per_seq) -> dict[str, int]:
     return total
 
 
+def ar_of(name: str) -> str:
+    """The AR run a run is measured against: compiled_spec's is compiled_ar, every other's specrun_ar."""
+    return "compiled_ar" if name.startswith("compiled_") else "specrun_ar"
+
+
 def summarize_concurrency(rows: list[dict]) -> list[dict]:
-    """Per (name, concurrency): median tok/s over repeats, and ratios to concurrency 1 and to AR at the same level."""
+    """Per (name, concurrency): median tok/s over repeats, and ratios to concurrency 1 and to the AR run of its kind
+    (ar_of) at the same level."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["name"], row["concurrency"]), []).append(row)
@@ -116,6 +122,6 @@ def summarize_concurrency(rows: list[dict]) -> list[dict]:
     low = min(t["concurrency"] for t in table)
     for t in table:
         t["vs_concurrency_1"] = t["tokens_per_s"] / by[(t["name"], low)]
-        ar = by.get(("specrun_ar", t["concurrency"]))
+        ar = by.get((ar_of(t["name"]), t["concurrency"]))
         t["vs_ar"] = t["tokens_per_s"] / ar if ar else None
     return sorted(table, key=lambda t: (t["concurrency"], t["name"]))

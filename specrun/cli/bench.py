@@ -35,7 +35,8 @@ from specrun.decoding.forward.paged_attention import PAGED_BACKENDS
 @click.option("--lengths", help="Comma list of generated lengths to report ratios at, e.g. 2048,8192,16384.")
 @click.option("--warmup", type=int, default=16, show_default=True, help="Untimed warm-up tokens per configuration.")
 @click.option("--runs", "only", help="Comma list of run names to keep (default: all that can run, but the compiled_* "
-              "rows, which compile for minutes: name them).")
+              "rows, which compile for minutes: name them). With --concurrency: of specrun_ar, specrun_spec, "
+              "compiled_ar, compiled_spec (default: the first two).")
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False), help="GGUF file of the same model for the "
               "llama_cpp row (default: smollm2's own Q4_1 file with --model smollm2; other models: no llama_cpp row).")
 @click.option("--lockstep/--one-by-one", default=True, show_default=True,
@@ -92,7 +93,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
         from specrun.cli.bench_concurrency import bench_concurrency
 
         return bench_concurrency(text, levels, batch_attention, max_tokens, repeat, chat, model, dtype, device,
-                                 trust_remote_code, as_json, kw)
+                                 trust_remote_code, as_json, kw, only)
     lens = int_list(lengths, "--lengths")
     n = max(lens) if lens else max_tokens
     params = sampling_params_from(kw, n)

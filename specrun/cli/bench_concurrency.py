@@ -15,8 +15,25 @@ import click
 from specrun.cli.options import engine_config_from, int_list, sampling_params_from
 
 
+RUNS = ("specrun_ar", "specrun_spec", "compiled_ar", "compiled_spec")
+
+
+def concurrency_configs(base, only: str | None) -> dict:
+    """The batched runs --runs names (default: specrun_ar and specrun_spec); the compiled_* ones with compiled
+    layers (and each drafter as `--compile` runs it)."""
+    every = {"specrun_ar": dataclasses.replace(base, drafters=()), "specrun_spec": base,
+             "compiled_ar": dataclasses.replace(base, drafters=(), compile_layers=True),
+             "compiled_spec": dataclasses.replace(base, compile_layers=True)}
+    names = [n.strip() for n in only.split(",") if n.strip()] if only else ["specrun_ar", "specrun_spec"]
+    bad = [n for n in names if n not in every]
+    if bad or not names:
+        raise click.BadParameter(f"{', '.join(bad) if bad else repr(only)}: with --concurrency the runs are {', '.join(RUNS)}",
+                                 param_hint="--runs")
+    return {n: every[n] for n in names}
+
+
 def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dtype, device, trust_remote_code,
-                      as_json, kw) -> None:
+                      as_json, kw, only: str | None = None) -> None:
     from specrun.bench.concurrency import prompt_variants, run_concurrency, summarize_concurrency
     from specrun.cli.generate import encode_prompt, load_for_cli
     from specrun.decoding.forward.decoder import FusedDecoder
@@ -26,7 +43,7 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
     levels = int_list(levels, "--concurrency")
     params = sampling_params_from(kw, max_tokens)
     base = engine_config_from(kw)
-    configs = {"specrun_ar": dataclasses.replace(base, drafters=()), "specrun_spec": base}
+    configs = concurrency_configs(base, only)
     try:
         dtype = resolve_dtype(dtype, model, device)
     except (ValueError, OSError) as e:

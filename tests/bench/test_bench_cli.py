@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -197,6 +198,25 @@ def test_bench_concurrency_json(tiny_models):
         assert r["tokens"] == 12 * r["concurrency"] and r["tokens_per_s"] > 0
         assert r["identical_to_ar"] is True and r["divergences"] == [] and r["lossless"] is True
     assert {t["name"] for t in report["table"] if t["vs_ar"] == 1.0} == {"specrun_ar"}
+
+
+def test_concurrency_runs_are_chosen_by_name_and_each_spec_run_is_measured_against_its_own_ar():
+    from specrun.bench.concurrency import summarize_concurrency
+    from specrun.cli.bench_concurrency import concurrency_configs
+    from specrun.decoding.engine import EngineConfig
+
+    base = EngineConfig(drafters=("ngram", "quant"))
+    assert list(concurrency_configs(base, None)) == ["specrun_ar", "specrun_spec"]
+    configs = concurrency_configs(base, "compiled_ar, compiled_spec")
+    assert configs["compiled_ar"] == EngineConfig(drafters=(), compile_layers=True)
+    assert configs["compiled_spec"] == EngineConfig(drafters=("ngram", "quant"), compile_layers=True)
+    with pytest.raises(click.BadParameter, match="hf_ar: with --concurrency the runs are"):
+        concurrency_configs(base, "specrun_ar,hf_ar")
+    rows = [{"name": n, "concurrency": 4, "tokens_per_s": tps, "mean_accepted": 1.0}
+            for n, tps in (("specrun_ar", 10.0), ("specrun_spec", 15.0), ("compiled_ar", 20.0),
+                           ("compiled_spec", 30.0))]
+    vs_ar = {t["name"]: t["vs_ar"] for t in summarize_concurrency(rows)}
+    assert vs_ar == {"specrun_ar": 1.0, "specrun_spec": 1.5, "compiled_ar": 1.0, "compiled_spec": 1.5}
 
 
 def test_bench_concurrency_rejects_bad_levels(tiny_models):
