@@ -14,7 +14,6 @@ import click
 
 from specrun.cli.options import engine_config_from, int_list, sampling_params_from
 
-
 RUNS = ("specrun_ar", "specrun_spec", "compiled_ar", "compiled_spec")
 
 
