@@ -77,7 +77,7 @@ class BatchEngine:
         # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafting = Drafting(names)
-        self.quant = quantized_rows(self.runner.decoder) if "quant" in names else None
+        self.quant = quantized_rows(self.runner.decoder, config.compile_layers) if "quant" in names else None
         self._tuners: dict[int, WidthTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []

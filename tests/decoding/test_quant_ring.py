@@ -60,12 +60,12 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
         ring.begin([runner.cache], [n], 3)
         got = []
         for i, t in enumerate(tokens):
-            seen = ring.pos[ring.visible(n + i)].sort().values.tolist()
+            seen = ring.pos[0, ring.visible(0, n + i)].sort().values.tolist()
             assert seen == [*range(2), *range(max(2, n + i + 1 - window), n + i)], (step, i)
             committed = torch.tensor([p for p in seen if p < n])
             slots = ring.slot(committed)
-            assert torch.equal(ring.k[:, :, slots].float(), runner.cache.k[:, :, committed])
-            assert torch.equal(ring.v[:, :, slots].float(), runner.cache.v[:, :, committed])
+            assert torch.equal(ring.k[0][:, :, slots].float(), runner.cache.k[:, :, committed])
+            assert torch.equal(ring.v[0][:, :, slots].float(), runner.cache.v[:, :, committed])
             got.append(ring.logits(i, [t], *every)[0])
         fwd.begin([runner.cache], [n], 3)
         want = [fwd.logits(i, [t], *every)[0] for i, t in enumerate(tokens)]
@@ -89,3 +89,73 @@ def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(m
     result = engine.generate(PROMPT, SAMPLED)
     assert result.token_ids == ar
     assert ring.calls > 0 and result.stats["mean_accepted"] > 3.0, result.stats
+
+
+def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_is_freed(smooth_dir, monkeypatch):
+    """Two sequences of different lengths drafted through one compiled call a depth, each ring keyed by its owner:
+    each one's logits are the torch draft's over its own cache (2%, as above). Once an owner is gone its ring is freed
+    and the other moves into its place; a new owner gets a ring of its own; one graph for one sequence and one for
+    several, none compiled past the warm-up."""
+    monkeypatch.setattr(quant_torch, "SINKS", 2)
+    monkeypatch.setattr(quant_torch, "WINDOW", 12)
+    monkeypatch.setattr(quant_ring, "FIRST_SPAN", 4)
+    lm = _on_grid(load_model(str(smooth_dir), dtype="float32"))
+    runners = []
+    for prompt in (PROMPT, PROMPT[3:9]):
+        runner = ModelRunner(lm, max_rows=16)
+        runner.reset(64)
+        runner.prefill(torch.tensor(prompt), 8)
+        for kv in (runner.cache.k, runner.cache.v):  # the values the ring holds
+            kv.copy_(kv.bfloat16().float())
+        runners.append(runner)
+    fwd = TorchForward.of(runners[0].decoder)
+    ring = RingForward(fwd)
+    ring.warm(batched=True)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    every = ([None], [1.0], [1e9])  # every token a candidate
+
+    class Owner:
+        pass
+
+    def draft(owners, rs, tokens):
+        caches, n = [r.cache for r in rs], [r.cache.length for r in rs]
+        ring.begin(caches, n, 3, owners)
+        got = [ring.logits(i, [t] * len(rs), *(e * len(rs) for e in every)) for i, t in enumerate(tokens)]
+        for b, r in enumerate(rs):  # each alone through the torch draft over its own cache
+            fwd.begin([r.cache], [n[b]], 3)
+            for i, t in enumerate(tokens):
+                want = fwd.logits(i, [t], *every)[0]
+                assert (got[i][b] - want).abs().max() <= 0.02 * want.abs().max(), (b, i)
+
+    a, b = Owner(), Owner()
+    draft([a, b], runners, [65, 70, 75])
+    assert len(ring.owners) == 2 and ring.whole
+    draft([b, a], runners[::-1], [66, 71, 76])  # the other order: each still in its own ring
+    assert not ring.whole
+    del a  # its sequence finished
+    draft([b], runners[1:], [67, 72, 77])
+    assert len(ring.owners) == 1 and ring.owners[0]() is b and ring.k.shape[0] == 1
+    c = Owner()
+    draft([b, c], runners[::-1], [68, 73, 78])  # a new sequence over the first cache: a ring of its own, synced
+    assert len(ring.owners) == 2 and ring.calls == 3 * (2 + 2 + 1 + 2)
+
+
+def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compiled_graph(model_dir, monkeypatch):  # noqa: F811
+    """--compile with several prompts on a worker: the batched engine's 4-bit chains come from the compiled graph, one
+    call a depth for all, each sequence in its own ring; every output is its solo AR run's."""
+    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+
+    lm = _model(model_dir, "torch", "float32")
+    prompts = [PROMPT, PROMPT[:5] + [50, 60, 70], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
+    engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False,
+                                          compile_layers=True),
+                         BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=256))
+    ring = engine.quant
+    assert isinstance(ring, RingForward) and ring.batched
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    got = engine.run([(i, p, SAMPLED, []) for i, p in enumerate(prompts)])
+    for i in range(3):
+        assert got[i].token_ids == ar[i], i
+        assert got[i].stats["mean_accepted"] > 3.0, got[i].stats
+    assert ring.calls >= 3 * 3 * (SAMPLED.max_tokens // 4) // 2  # most steps drafted every sequence through it

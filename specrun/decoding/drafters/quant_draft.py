@@ -59,7 +59,7 @@ class KernelForward:
         layers = CpuLayers.quantized(decoder, cpu_kernels()) if rows and quantizable(head) else None
         return None if layers is None else cls(decoder, layers, quantize(head)[0])
 
-    def begin(self, caches: list, positions: list[int], k: int) -> None:
+    def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
         """A draft of k tokens from the root at positions[0] over caches[0] (one sequence: the int8 copy is its)."""
         (cache,), (position,) = caches, positions
         L, Hkv, cap, D = cache.k.shape
@@ -99,14 +99,17 @@ def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward |
     return ring_forward(fwd) if compiled and isinstance(fwd, TorchForward) else fwd
 
 
-def quantized_rows(decoder) -> TorchForward | None:
-    """The 4-bit draft forward for a batched engine (several sequences a forward: torch's kernels), once per decoder."""
+def quantized_rows(decoder, compiled: bool = False) -> TorchForward | RingForward | None:
+    """The 4-bit draft forward for a batched engine (several sequences a forward: torch's kernels), once per decoder;
+    compiled where `compiled` (quant_ring.py, compiled now for one sequence a call and for several)."""
     solo = quantized(decoder)
     if isinstance(solo, TorchForward) or solo is None:
-        return solo
-    if not hasattr(decoder, "_specrun_q4_rows"):
-        decoder._specrun_q4_rows = TorchForward.of(decoder)
-    return decoder._specrun_q4_rows
+        fwd = solo
+    else:
+        if not hasattr(decoder, "_specrun_q4_rows"):
+            decoder._specrun_q4_rows = TorchForward.of(decoder)
+        fwd = decoder._specrun_q4_rows
+    return ring_forward(fwd, batched=True) if compiled and fwd is not None else fwd
 
 
 @dataclass
@@ -128,18 +131,19 @@ def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingPara
     return int(choice[0])
 
 
-def draft_chains(forward: KernelForward | TorchForward, rows: list[tuple[object, DraftContext]], k: int
-                 ) -> list[list[int]]:
+def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list[tuple[object, DraftContext]], k: int,
+                 owners: list | None = None) -> list[list[int]]:
     """Each row's root and k tokens after it, each AR's pick under the 4-bit model, every row through one forward a
-    depth; rows: (its KV: a KVCache or a page's view, its context). The penalty window is the committed one plus the
-    drafted tokens (a token leaving it is not tracked)."""
+    depth; rows: (its KV: a KVCache or a page's view, its context); owners: each row's drafter (the compiled draft
+    keeps a ring per owner). The penalty window is the committed one plus the drafted tokens (a token leaving it is not
+    tracked)."""
     ctxs = [ctx for _, ctx in rows]
     counts = [None if c.present is None or not c.params.uses_penalty else c.present.to(torch.int32) for c in ctxs]
     thetas = [c.params.penalty if n is not None else 1.0 for c, n in zip(ctxs, counts)]
     belows = [HEAD_MARGIN + (0.0 if c.params.greedy else c.params.temperature * (
         -math.log(c.params.min_p) if c.params.min_p > 0 else GUMBEL_SPAN)) for c in ctxs]
     tallies = [None if n is None else n.numpy() for n in counts]  # counts' memory: a tensor op a token cost ~15 us
-    forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k)
+    forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k, owners)
     chains = [[c.root] for c in ctxs]
     for i in range(k):
         logits = forward.logits(i, [chain[-1] for chain in chains], counts, thetas, belows)  # [B, V]
@@ -213,12 +217,13 @@ class BatchedQuantDrafter:
 
 
 @torch.inference_mode()
-def draft_batch(forward: TorchForward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
+def draft_batch(forward: TorchForward | RingForward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]
+                ) -> None:
     """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
     page's view, with k, v and length; its drafter; its context), all of one step's budget."""
     if not entries:
         return
     k = min(entries[0][2].budget - 1, MAX_CHAIN)
-    chains = draft_chains(forward, [(kv, ctx) for kv, _, ctx in entries], k)
+    chains = draft_chains(forward, [(kv, ctx) for kv, _, ctx in entries], k, [d for _, d, _ in entries])
     for (_, drafter, _), chain in zip(entries, chains):
         drafter.chain = chain

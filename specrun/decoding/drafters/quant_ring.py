@@ -1,15 +1,17 @@
 """The quantized self-draft's forward compiled by inductor (with --compile): one graph a drafted token, over a
 bf16 ring of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
 
-RingForward(torch_forward) keeps TorchForward's contract for one sequence (start, begin, logits); warm() compiles it.
-The ring is synced from the target's cache at each begin (the committed slots it has not copied yet); the draft's own
-K/V go in the ring only, never in the target's cache. Its tokens are proposals: the verify decides (I1).
+RingForward(torch_forward) keeps TorchForward's contract (start, begin, logits) for one sequence or a batch, a ring
+each; warm() compiles it. A ring is synced from its sequence's cache at each begin (the committed slots it has not
+copied yet); the draft's own K/V go in the ring only, never in the target's cache. Its tokens are proposals: the verify
+decides (I1).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import weakref
 
 import torch
 import torch._dynamo
@@ -28,7 +30,8 @@ FIRST_SPAN = 512  # ring slots past the sinks for a new sequence, doubled (and s
 
 
 class _Graph(torch.nn.Module):
-    """One drafted token through the low-bit layers; attention over the ring (masked) and the token's own key."""
+    """One drafted token a sequence through the low-bit layers; attention over each one's ring (masked) and the
+    token's own key."""
 
     def __init__(self, fwd: TorchForward):
         super().__init__()
@@ -38,31 +41,34 @@ class _Graph(torch.nn.Module):
         self.norm, self.head = fwd.norm, fwd.head
 
     def forward(self, x, cos, sin, K, V, mask):
-        """# x: [1, H] bf16, cos/sin: [1, 1, D], K/V: [Lyr, Hkv, R, D] bf16, mask: [R] float32 (0 or -inf)
-        -> h: [1, H] bf16, coarse: [1, V'] float32, k, v: [Lyr, Hkv, D] bf16 (this token's)"""
+        """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf)
+        -> h: [B, H] bf16, coarse: [B, V'] float32, k, v: [B, Lyr, Hkv, D] bf16 (these tokens')"""
         nq, nkv, D = self.nq, self.nkv, self.D
+        B = x.shape[0]
         ks, vs = [], []
         for j, L in enumerate(self.layers):
-            qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [1, nq + nkv, D], [1, nkv, D]
-            q = qk[0, :nq].float().view(nkv, nq // nkv, D)  # query head h = kv_head * G + g
-            k, v = qk[0, nq:], v[0]  # [Hkv, D]
-            s = (q[:, :, None, :] * K[j][:, None].float()).sum(-1) * L.scaling + mask  # [Hkv, G, R]
-            own = (q * k.float()[:, None]).sum(-1, keepdim=True) * L.scaling  # [Hkv, G, 1]
+            qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
+            q = qk[:, :nq].float().view(B, nkv, nq // nkv, D)  # query head h = kv_head * G + g
+            k = qk[:, nq:]  # [B, Hkv, D]
+            s = (q[:, :, :, None, :] * K[:, j, :, None].float()).sum(-1) * L.scaling + mask[:, None, None]  # [B,Hkv,G,R]
+            own = (q * k.float()[:, :, None]).sum(-1, keepdim=True) * L.scaling  # [B, Hkv, G, 1]
             top = torch.maximum(s.amax(-1, keepdim=True), own)
             p, p_own = torch.exp(s - top), torch.exp(own - top)
-            o = ((p[..., None] * V[j][:, None].float()).sum(-2) + p_own * v.float()[:, None]) \
-                / (p.sum(-1, keepdim=True) + p_own)  # [Hkv, G, D]
-            x = x + L.o(o.reshape(1, nq * D).to(BF16))
+            o = ((p[..., None] * V[:, j, :, None].float()).sum(-2) + p_own * v.float()[:, :, None]) \
+                / (p.sum(-1, keepdim=True) + p_own)  # [B, Hkv, G, D]
+            x = x + L.o(o.reshape(B, nq * D).to(BF16))
             x = mlp_residual(L, x, self.inter)
             ks.append(k)
             vs.append(v)
         h = self.norm(x)
-        return h, self.head(h).float(), torch.stack(ks), torch.stack(vs)
+        return h, self.head(h).float(), torch.stack(ks, 1), torch.stack(vs, 1)
 
 
 class RingForward:
-    """TorchForward's draft for one sequence through the compiled graph: attention over positions [0, SINKS) and the
-    last WINDOW (this token's included), as TorchForward attends the target's cache."""
+    """TorchForward's draft through the compiled graph for one sequence or several (a batched engine's), each with a
+    ring of its own: attention over positions [0, SINKS) and the last WINDOW (this token's included), as TorchForward
+    attends the target's cache. A ring belongs to an owner (the solo engine's cache, a batched sequence's drafter);
+    the ring of an owner that is gone is freed and the others moved down, so the drafting rings are one slice."""
 
     def __init__(self, fwd: TorchForward):
         dec = fwd.dec
@@ -71,100 +77,153 @@ class RingForward:
         self.full = self.window + RESERVE  # ring positions past the sinks once the text fills the window
         self.graph = _Graph(fwd).eval()
         self.fn = None
-        self.length = 0  # the committed length of the draft in flight
-        self.calls = 0  # tokens drafted through the graph (tests check the engine takes this path)
+        self.batched = False  # warmed for several sequences a call too
+        self.calls = 0  # tokens drafted through the graph (tests check the engines take this path)
         self.compile_seconds: float | None = None
         self.start()
 
-    def _alloc(self, span: int) -> None:
-        """An empty ring of `span` positions past the sinks (synced from slot 0 at the next begin)."""
+    def _alloc(self, span: int, rings: int) -> None:
+        """Empty rings of `span` positions past the sinks (each synced from slot 0 at its next begin)."""
         dec = self.dec
         self.span, R = span, self.sinks + span
         with torch.inference_mode():  # every input of the graph an inference tensor, as at its warm-up (dynamo guards)
-            self.k = torch.zeros((len(dec.layers), dec.n_kv, R, dec.head_dim), dtype=BF16)  # [Lyr, Hkv, R, D]
+            self.k = torch.zeros((rings, len(dec.layers), dec.n_kv, R, dec.head_dim), dtype=BF16)  # [C,Lyr,Hkv,R,D]
             self.v = torch.zeros_like(self.k)
-            self.pos = torch.full((R,), -1, dtype=torch.long)  # the position each slot holds, -1: none
-        self.upto = 0  # committed positions copied from the target's cache
+            self.pos = torch.full((rings, R), -1, dtype=torch.long)  # the position each slot holds, -1: none
+        self.upto = [0] * rings  # per ring: committed positions copied from its owner's cache
+        self.owners = (self.owners + [None] * rings)[:rings]  # per ring: a weak reference to its owner, or None
 
     def slot(self, p: torch.Tensor) -> torch.Tensor:
         """Ring slots of positions p (int64)."""
         return torch.where(p < self.sinks, p, self.sinks + (p - self.sinks) % self.span)
 
-    def warm(self) -> None:
-        """Compile the graph (once; progress on stderr)."""
-        if self.fn is not None:
+    def warm(self, batched: bool = False) -> None:
+        """Compile the graph for one sequence a call (once), and with `batched` for several (once; progress on
+        stderr)."""
+        if self.fn is not None and (self.batched or not batched):
             return
         print("specrun: compiling the 4-bit self-draft (torch.compile, once per process)", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        fn = torch.compile(self.graph, fullgraph=True, options=OPTIONS)
+        fn = torch.compile(self.graph, fullgraph=True, options=OPTIONS) if self.fn is None else self.fn
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
         with torch.inference_mode():
-            k, v, mask = torch.zeros_like(self.k), torch.zeros_like(self.v), torch.zeros(self.k.shape[2])
-            for t, dim in ((k, 2), (v, 2), (mask, 0)):  # the ring's length
-                torch._dynamo.mark_dynamic(t, dim)
-            fn(torch.zeros((1, H), dtype=BF16), torch.ones((1, 1, D), dtype=BF16), torch.zeros((1, 1, D), dtype=BF16),
-               k, v, mask)
-        self.fn, self.compile_seconds = fn, time.perf_counter() - t0
+            for B in (1, 2) if batched else (1,):
+                k = torch.zeros((B, *self.k.shape[1:]), dtype=BF16)
+                v, mask = torch.zeros_like(k), torch.zeros((B, k.shape[3]))
+                x, cos = torch.zeros((B, H), dtype=BF16), torch.ones((B, 1, D), dtype=BF16)
+                marks = [(k, 3), (v, 3), (mask, 1)] + ([(t, 0) for t in (x, cos, k, v, mask)] if B > 1 else [])
+                for t, dim in marks:  # the ring's length, and the number of sequences past one
+                    torch._dynamo.mark_dynamic(t, dim)
+                fn(x, cos, torch.zeros_like(cos), k, v, mask)
+        self.fn, self.batched = fn, self.batched or batched
+        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - t0
 
     def start(self) -> None:
-        """A new sequence: an empty ring of the first size."""
-        self.cache = None
-        self._alloc(min(FIRST_SPAN, self.full))
+        """Forget every sequence: one empty ring of the first size."""
+        self.owners: list = []
+        self._alloc(min(FIRST_SPAN, self.full), 1)
 
     @torch.inference_mode()
-    def begin(self, caches: list, positions: list[int], k: int) -> None:
-        """A draft of k tokens from the root at positions[0] over caches[0] (one sequence)."""
-        (cache,) = caches
-        if cache is not self.cache or cache.length < self.upto:  # another sequence or a replaced cache
-            self.start()
-            self.cache = cache
-        while self.span < self.full and cache.length + k > self.sinks + self.span:  # it would wrap: a longer ring
-            self._alloc(min(2 * self.span, self.full))
-        self._sync(cache)
-        self.length = cache.length
+    def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
+        """A draft of k tokens for each sequence: its root at positions[b], over caches[b] (anything with k, v
+        [Lyr, Hkv, S, D] and length), in the ring of owners[b] (default: the cache itself)."""
+        owners = caches if owners is None else owners
+        self._free()
+        rows = [self._ring(o, c) for o, c in zip(owners, caches)]
+        need = max(c.length for c in caches) + k
+        if self.span < self.full and need > self.sinks + self.span:  # a draft would wrap: longer rings, synced anew
+            while self.span < self.full and need > self.sinks + self.span:
+                self.span *= 2
+            self._alloc(min(self.span, self.full), len(self.owners))
+        for r, c in zip(rows, caches):
+            self._sync(r, c)
+        self.rows = torch.tensor(rows)
+        self.whole = rows == list(range(len(self.owners)))  # the drafting rings are the buffer as it is: no gather
+        self.lengths = torch.tensor([c.length for c in caches])
         self.fwd.begin(caches, positions, k)  # cos/sin of the draft's positions
 
-    def _sync(self, cache) -> None:
-        """Copy the committed positions the ring lacks (the sinks and those the window can still read)."""
+    def _ring(self, owner, cache) -> int:
+        """The ring of `owner` (a new or emptied one for a new sequence: a new owner, or its cache refilled)."""
+        for r, ref in enumerate(self.owners):
+            if ref is not None and ref() is owner:
+                if cache.length < self.upto[r]:  # the cache was emptied and refilled: a new sequence
+                    self._clear(r)
+                return r
+        r = next((r for r, ref in enumerate(self.owners) if ref is None), None)
+        if r is None:
+            r = len(self.owners)
+            self._alloc(self.span, r + 1)  # one ring more (every ring synced anew)
+        self.owners[r] = weakref.ref(owner)
+        self._clear(r)
+        return r
+
+    def _clear(self, r: int) -> None:
+        self.pos[r] = -1
+        self.upto[r] = 0
+
+    def _free(self) -> None:
+        """Drop the rings whose owners are gone, moving the last rings into their places (one slice stays in use)."""
+        live = [r for r, ref in enumerate(self.owners) if ref is not None and ref() is not None]
+        if len(live) == len(self.owners):
+            return
+        keep = live or [0]  # none left: one ring, emptied
+        for dst, src in enumerate(keep):
+            if dst != src:
+                self.k[dst], self.v[dst], self.pos[dst] = self.k[src], self.v[src], self.pos[src]
+                self.upto[dst], self.owners[dst] = self.upto[src], self.owners[src]
+        n = len(keep)
+        self.k, self.v, self.pos = self.k[:n].clone(), self.v[:n].clone(), self.pos[:n].clone()
+        self.upto, self.owners = self.upto[:n], self.owners[:n]
+        if not live:
+            self.owners[0] = None
+            self._clear(0)
+
+    def _sync(self, r: int, cache) -> None:
+        """Copy the committed positions ring r lacks (the sinks and those the window can still read)."""
         n = cache.length
-        lo = max(self.upto, n - self.window)
-        head, tail = (self.upto, min(self.sinks, n)), (max(lo, self.sinks), n)
+        lo = max(self.upto[r], n - self.window)
+        head, tail = (self.upto[r], min(self.sinks, n)), (max(lo, self.sinks), n)
         p = torch.cat([torch.arange(a, b) for a, b in (head, tail) if a < b] or [torch.zeros(0, dtype=torch.long)])
         if p.numel():
             s = self.slot(p)
-            self.k[:, :, s] = cache.k[:, :, p].to(BF16)
-            self.v[:, :, s] = cache.v[:, :, p].to(BF16)
-            self.pos[s] = p
-        self.upto = n
+            self.k[r][:, :, s] = cache.k[:, :, p].to(BF16)
+            self.v[r][:, :, s] = cache.v[:, :, p].to(BF16)
+            self.pos[r, s] = p
+        self.upto[r] = n
 
-    def visible(self, n: int) -> torch.Tensor:
-        """# -> [R] bool: the slots the token at position n attends besides itself (TorchForward's: the sinks and
-        the positions of the last WINDOW before it)"""
-        p = self.pos
+    def visible(self, r: int, n: int) -> torch.Tensor:
+        """# -> [R] bool: the slots of ring r the token at position n attends besides itself (TorchForward's: the
+        sinks and the positions of the last WINDOW before it)"""
+        return self._visible(self.pos[r], torch.tensor(n))
+
+    def _visible(self, p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         return (p >= 0) & (p < n) & ((p < self.sinks) | (p >= n + 1 - self.window))
 
     @torch.inference_mode()
     def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]) -> torch.Tensor:
-        """# counts[0]: [V] int32 or None -> [1, V] float32, the draft's logits after its i-th token (-inf outside the
-        candidates)"""
-        (token,), (count,), (theta,), (below,) = tokens, counts, thetas, belows
-        n = self.length + i  # this token's position
-        mask = torch.zeros(self.pos.shape).masked_fill_(~self.visible(n), float("-inf"))
-        x = self.dec.embed(torch.tensor([token])).to(BF16)
-        D = self.dec.head_dim  # cos/sin with the strides of the warm-up's (dynamo guards on strides)
-        cos, sin = (t[0, i].reshape(1, 1, D).clone(memory_format=torch.contiguous_format) for t in (self.fwd.cos, self.fwd.sin))
-        h, coarse, k, v = self.fn(x, cos, sin, self.k, self.v, mask)
-        s = self.slot(torch.tensor([n]))
-        self.k[:, :, s] = k[:, :, None]
-        self.v[:, :, s] = v[:, :, None]
-        self.pos[s] = n
-        self.calls += 1
-        return rescore(coarse, count, h, self.fwd.rows, theta, below)
+        """# counts[b]: [V] int32 or None -> [B, V] float32, each sequence's draft logits after its i-th token (-inf
+        outside the candidates)"""
+        B, rows = len(tokens), self.rows
+        n = self.lengths + i  # [B] these tokens' positions
+        K, V = (self.k, self.v) if self.whole else (self.k[rows], self.v[rows])  # [B, Lyr, Hkv, R, D]
+        mask = torch.zeros(B, K.shape[3]).masked_fill_(~self._visible(self.pos[rows], n[:, None]), float("-inf"))
+        x = self.dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
+        # cos/sin with the strides of the warm-up's (dynamo guards on strides)
+        cos, sin = (t[:, i].clone(memory_format=torch.contiguous_format) for t in (self.fwd.cos, self.fwd.sin))
+        h, coarse, k, v = self.fn(x, cos, sin, K, V, mask)
+        s = self.slot(n)
+        self.k[rows, :, :, s] = k
+        self.v[rows, :, :, s] = v
+        self.pos[rows, s] = n
+        self.calls += B
+        return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.fwd.rows, thetas[b], belows[b])
+                          for b in range(B)])
 
 
-def ring_forward(fwd: TorchForward) -> RingForward:
-    """The compiled draft of a TorchForward, built and compiled once per forward (so once per decoder)."""
+def ring_forward(fwd: TorchForward, batched: bool = False) -> RingForward:
+    """The compiled draft of a TorchForward, built once per forward (so once per decoder) and compiled for one
+    sequence a call, and with `batched` for several."""
     if not hasattr(fwd, "_specrun_ring"):
         fwd._specrun_ring = RingForward(fwd)
-    fwd._specrun_ring.warm()
+    fwd._specrun_ring.warm(batched)
     return fwd._specrun_ring

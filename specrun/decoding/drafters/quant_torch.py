@@ -153,9 +153,9 @@ class TorchForward:
     def start(self) -> None:
         pass  # it reads the target's cache itself: nothing kept across sequences
 
-    def begin(self, caches: list, positions: list[int], k: int) -> None:
+    def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
         """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
-        [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page)."""
+        [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page); owners: RingForward's."""
         self.caches = caches
         like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16)
         pos = torch.tensor(positions)[:, None] + torch.arange(k)  # [B, k]
