@@ -97,8 +97,8 @@ engine_options = stack_options(
                       "trie, merged by log-sum-exp)."),
     click.option("--compile", "compile_layers", is_flag=True,
                  help="CPU: run forwards of up to 64 rows through the layers compiled by torch.compile (inductor, "
-                      "weights frozen in; ~1.8x faster layers on smollm2, AVX2), and a solo run's 4-bit self-draft "
-                      "as one compiled graph a token. Everything compiles at start (~90 s a row bucket on smollm2 "
+                      "weights frozen in; ~1.8x faster layers on smollm2, AVX2), and the 4-bit self-draft as one "
+                      "compiled graph a token for every drafting sequence. Everything compiles at start (~90 s a row bucket on smollm2 "
                       "with 2 threads, every process; the draft ~3 min once, then ~15 s from inductor's cache): for "
                       "long runs. Where specrun's own kernels run, they stay."),
 )
