@@ -77,10 +77,16 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     assert ring.span == window + quant_ring.RESERVE  # grown to the whole window where it started shorter
 
 
-def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(model_dir, monkeypatch):  # noqa: F811
+@pytest.fixture(scope="module")
+def compiled_lm(model_dir):  # noqa: F811
+    """One model for the engine tests below: its layers and draft graph compile once, each test adding what it needs."""
+    return _model(model_dir, "torch", "float32")
+
+
+def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(compiled_lm, monkeypatch):
     """--compile: the solo engine's 4-bit chains come from the compiled graph (compiled when the engine starts, never
     during a generation), and its output is AR's."""
-    lm = _model(model_dir, "torch", "float32")
+    lm = compiled_lm
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_layers=True))
     ring = engine.drafters[0].forward
@@ -140,12 +146,12 @@ def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_i
     assert len(ring.owners) == 2 and ring.calls == 3 * (2 + 2 + 1 + 2)
 
 
-def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compiled_graph(model_dir, monkeypatch):  # noqa: F811
+def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compiled_graph(compiled_lm, monkeypatch):
     """--compile with several prompts on a worker: the batched engine's 4-bit chains come from the compiled graph, one
     call a depth for all, each sequence in its own ring; every output is its solo AR run's."""
     from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 
-    lm = _model(model_dir, "torch", "float32")
+    lm = compiled_lm
     prompts = [PROMPT, PROMPT[:5] + [50, 60, 70], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
     engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False,
@@ -159,3 +165,9 @@ def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compile
         assert got[i].token_ids == ar[i], i
         assert got[i].stats["mean_accepted"] > 3.0, got[i].stats
     assert ring.calls >= 3 * 3 * (SAMPLED.max_tokens // 4) // 2  # most steps drafted every sequence through it
+
+
+def test_the_full_ring_stays_within_one_compiled_graph():
+    """Sinks, window and a chain's reserve fill at most 4,096 slots: past 4,096 keys inductor's C++ reductions take
+    another accumulation, a second graph that compiled in the middle of a run (~40 s, smollm2) and ran slower."""
+    assert quant_torch.SINKS + quant_torch.WINDOW + quant_ring.RESERVE <= 4096

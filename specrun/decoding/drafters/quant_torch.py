@@ -16,11 +16,13 @@ from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 from specrun.decoding.forward.quant import GROUP, grid, quantizable
 
 # the draft attends the first SINKS slots and the last WINDOW (its own drafted tokens among them), so its cost per
-# token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV); WINDOW as the
-# self-draft's default kv_budget (a 1,024-slot window halved its acceptance past 1K tokens: docs/benchmarks.md). 64
-# sinks, not 4: a chat prompt's opening (its system turn) keeps the draft on the model's track once the window slides
+# token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV); ~4K slots as the
+# self-draft heads' default kv_budget (a 1,024-slot window halved its acceptance past 1K tokens: docs/benchmarks.md). 64
+# sinks, not 4: a chat prompt's opening (its system turn) keeps the draft on the model's track once the window slides.
+# SINKS + WINDOW + the compiled draft's reserve for a chain (quant_ring.RESERVE, 16) = 4,096 ring slots: past 4,096
+# keys inductor's C++ reductions accumulate another way, a second graph compiled in the middle of a run
 SINKS = 64
-WINDOW = 4096
+WINDOW = 4016
 BF16 = torch.bfloat16
 
 
