@@ -128,6 +128,7 @@ class GenStats:
             "by_length": [{"from": b * LENGTH_BUCKET, "steps": n, "mean_accepted": t / n,
                            "tokens_by_drafter": {d: c.get(d, 0) for d in self.drafter_names},
                            # a drafted node's cost: the bucket's draft seconds over the nodes past the steps' roots
+                           # (an upper bound: the seconds include shadow drafts, never verified, at narrow widths)
                            "draft_ms_per_node": 1e3 * drafted / (nodes - n) if nodes > n else None,
                            "rss_mb": rss}
                           for b, (n, t, c, nodes, drafted, rss) in sorted(self.buckets.items())],
