@@ -66,7 +66,9 @@ class GenStats:
                     generated: int = 0, width: int = 1) -> None:
         """generated: tokens generated before this step (its length bucket); width: the trie width chosen for it."""
         b = generated // LENGTH_BUCKET
-        bucket = self.buckets.get(b) or self.buckets.setdefault(b, [0, 0, Counter(), 0, 0.0, rss_mb()])
+        bucket = self.buckets.get(b)
+        if bucket is None:  # memory read once a bucket, not every step
+            bucket = self.buckets[b] = [0, 0, Counter(), 0, 0.0, rss_mb()]
         bucket[0] += 1
         bucket[1] += emitted
         bucket[2].update(self.drafter_names[s] for s in accepted_sources)
@@ -109,7 +111,8 @@ class GenStats:
 
     def snapshot(self) -> dict:
         """The cumulative counters a timeline row is the difference of (O(drafters + phases + widths), not O(steps))."""
-        return {"steps": self.steps, "tokens": self.new_tokens, "nodes": self.nodes, "by_drafter": dict(self.by_drafter),
+        return {"steps": self.steps, "tokens": self.new_tokens, "nodes": self.nodes,
+                "by_drafter": dict(self.by_drafter),
                 "phase": dict(self.phase), "widths": dict(self.widths)}
 
     def as_dict(self) -> dict:

@@ -50,7 +50,8 @@ class _Graph(torch.nn.Module):
             qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
             q = qk[:, :nq].float().view(B, nkv, nq // nkv, D)  # query head h = kv_head * G + g
             k = qk[:, nq:]  # [B, Hkv, D]
-            s = (q[:, :, :, None, :] * K[:, j, :, None].float()).sum(-1) * L.scaling + mask[:, None, None]  # [B,Hkv,G,R]
+            s = (q[:, :, :, None, :] * K[:, j, :, None].float()).sum(-1) * L.scaling  # [B, Hkv, G, R]
+            s = s + mask[:, None, None]
             own = (q * k.float()[:, :, None]).sum(-1, keepdim=True) * L.scaling  # [B, Hkv, G, 1]
             top = torch.maximum(s.amax(-1, keepdim=True), own)
             p, p_own = torch.exp(s - top), torch.exp(own - top)
@@ -111,10 +112,11 @@ class RingForward:
                 k = torch.zeros((B, *self.k.shape[1:]), dtype=BF16)
                 v, mask = torch.zeros_like(k), torch.zeros((B, k.shape[3]))
                 x, cos = torch.zeros((B, H), dtype=BF16), torch.ones((B, 1, D), dtype=BF16)
-                marks = [(k, 3), (v, 3), (mask, 1)] + ([(t, 0) for t in (x, cos, k, v, mask)] if B > 1 else [])
+                sin = torch.zeros_like(cos)
+                marks = [(k, 3), (v, 3), (mask, 1)] + ([(t, 0) for t in (x, cos, sin, k, v, mask)] if B > 1 else [])
                 for t, dim in marks:  # the ring's length, and the number of sequences past one
                     torch._dynamo.mark_dynamic(t, dim)
-                fn(x, cos, torch.zeros_like(cos), k, v, mask)
+                fn(x, cos, sin, k, v, mask)
         self.fn, self.batched = fn, self.batched or batched
         self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - t0
 
@@ -130,11 +132,11 @@ class RingForward:
         owners = caches if owners is None else owners
         self._free()
         rows = [self._ring(o, c) for o, c in zip(owners, caches)]
-        need = max(c.length for c in caches) + k
-        if self.span < self.full and need > self.sinks + self.span:  # a draft would wrap: longer rings, synced anew
-            while self.span < self.full and need > self.sinks + self.span:
-                self.span *= 2
-            self._alloc(min(self.span, self.full), len(self.owners))
+        need, span = max(c.length for c in caches) + k, self.span
+        while span < self.full and need > self.sinks + span:  # a draft would wrap: longer rings, synced anew
+            span = min(2 * span, self.full)
+        if span != self.span:
+            self._alloc(span, len(self.owners))
         for r, c in zip(rows, caches):
             self._sync(r, c)
         self.rows = torch.tensor(rows)
