@@ -114,8 +114,8 @@ class EngineConfig:
 def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: bool = True, whole_pages: bool = False
                      ) -> tuple[DraftHeads | None, DraftWeights | None, tuple[str, ...]]:
     """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path.
-    solo: a solo engine, else a batched one, whose 4-bit self-draft runs on torch's kernels where each sequence's K/V
-    is one page (whole_pages: the CPU's layout)."""
+    solo: a solo engine, else a batched one, whose 4-bit self-draft runs where each sequence's K/V is one page
+    (whole_pages: the CPU's layout)."""
     heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
     recurrent = config.recurrent_weights(lm)
     wanted = config.drafters is None or set(NEEDS_QUANT) & set(config.drafters)

@@ -1,22 +1,24 @@
 """The quantized self-drafter: the target itself, its weights in 4 bits (quant.py), drafts a chain of AR's own choices
 (its sampling rules, penalty and Gumbel noise at each position) over the target's KV cache, one token a forward.
 
-Its drafted tokens' K/V go in the slots after the committed ones, where the verify forward then writes its own
-(verification decides, I1). The forward runs on our C kernels (KernelForward) or torch's (quant_torch.TorchForward).
+Its drafted tokens' K/V go after the committed ones (on our kernels in the draft's own window of the cache, else in
+the target's slots that the verify forward then writes), and verification decides (I1). The forward runs on our C
+kernels (KernelForward) or torch's (quant_torch.TorchForward).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from specrun.decoding.drafters.kernel_window import DraftWindow
 from specrun.decoding.drafters.ngram import SuffixCopy
 from specrun.decoding.drafters.quant_ring import RingForward, ring_forward
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
-from specrun.decoding.forward.kv_codes import KVCodes
 from specrun.decoding.forward.quant import quantizable, quantize
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
@@ -34,8 +36,8 @@ MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner pi
 
 class KernelForward:
     """The 4-bit layers and LM head on our C kernels (AVX-512 BF16 CPUs, a bf16 model): the draft attends an int8
-    copy of the target's K/V of every committed token (KVCodes, synced a step's new slots at a time). TorchForward
-    (quant_torch.py) keeps the same contract on torch's kernels."""
+    copy of the target's first and recent committed K/V (kernel_window.DraftWindow, synced a step's new slots at a
+    time). TorchForward (quant_torch.py) keeps the same contract on torch's kernels."""
 
     def __init__(self, decoder, layers: CpuLayers, head: torch.Tensor):
         self.dec, self.layers, self.head = decoder, layers, head
@@ -47,8 +49,9 @@ class KernelForward:
         # the draft's attention reads int8 K/V: half the bytes of bf16, 4 products an instruction (smollm2, 30 layers
         # at 2,048 keys: 2.8 ms against 6.3 for a bf16 attention split as this one; sampled, 5.24 tokens a width-6
         # step against 5.51 with bf16 K/V, for 5.0 ms a draft against 6.4)
-        self.codes: KVCodes | None = None
-        self.cache = None
+        self.window: DraftWindow | None = None  # the solo engine's sequence's
+        self.windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a batched engine's, by drafter
+        self.active: list[DraftWindow] = []  # this draft's sequences'
         self.cos = self.sin = None  # [k, D] of the draft's positions
 
     @classmethod
@@ -60,33 +63,37 @@ class KernelForward:
         return None if layers is None else cls(decoder, layers, quantize(head)[0])
 
     def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
-        """A draft of k tokens from the root at positions[0] over caches[0] (one sequence: the int8 copy is its)."""
-        (cache,), (position,) = caches, positions
-        L, Hkv, cap, D = cache.k.shape
-        if self.codes is None or self.codes.cap < cap or self.codes.data.shape[0] != L:
-            self.codes = KVCodes(L, Hkv, cap, D)  # a new one where the runner replaced its cache
-        self.codes.sync(self.layers.kernels, cache.k, cache.v, cache.length)
-        self.cache = cache
+        """A draft of k tokens for each sequence: its root at positions[b], over caches[b] (anything with k, v
+        [Lyr, Hkv, S, D] and length), in the window of owners[b] (default: the solo engine's one window)."""
+        L, Hkv, _, D = caches[0].k.shape
+        if owners is None:
+            if self.window is None or self.window.k.shape[:2] != (L, Hkv):
+                self.window = DraftWindow(L, Hkv, D)
+            self.active = [self.window]
+        else:  # a batched engine's sequences, each its drafter's window (freed with the drafter)
+            self.active = [self.windows.get(o) or self.windows.setdefault(o, DraftWindow(L, Hkv, D)) for o in owners]
+        for window, cache in zip(self.active, caches):
+            window.sync(self.layers.kernels, cache.k, cache.v, cache.length)
         like = self.head.new_empty((1, 1, self.dec.head_dim), dtype=torch.bfloat16)
-        cos, sin = self.dec.rotary(like, torch.arange(position, position + k)[None])  # [1, k, D] each
-        self.cos, self.sin = cos[0], sin[0]
+        pos = torch.tensor(positions)[:, None] + torch.arange(k)  # [B, k]
+        self.cos, self.sin = self.dec.rotary(like, pos)  # [B, k, D] each
 
     def start(self) -> None:
-        if self.codes is not None:
-            self.codes.upto = 0  # a new sequence: its cache is refilled from slot 0
+        if self.window is not None:
+            self.window.reset()  # a new sequence: its cache is refilled from slot 0
 
     def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
                ) -> torch.Tensor:
-        """# counts[0]: [V] int32 or None -> [1, V] float32, the draft's logits after the i-th token (-inf outside the
-        candidates)"""
-        (token,), (counts,), (theta,), (below,) = tokens, counts, thetas, belows
-        kernels = self.layers.kernels
-        x = self.dec.embed(torch.tensor([token])) if self.embed_rows is None else self.embed_rows[token : token + 1]
-        h = self.layers(x, self.cos[i : i + 1], self.sin[i : i + 1], self.cache, self.cache.length + i, None,
-                        q8=self.codes)  # [1, H]
+        """# counts[b]: [V] int32 or None -> [B, V] float32, each sequence's draft logits after its i-th token (-inf
+        outside its candidates)"""
+        kernels, ids = self.layers.kernels, torch.tensor(tokens)
+        x = self.dec.embed(ids) if self.embed_rows is None else self.embed_rows[ids]  # [B, H]
+        h = self.layers.rows(x, self.cos[:, i], self.sin[:, i], self.active, [w.length + i for w in self.active],
+                             [w.codes for w in self.active])  # [B, H]
         h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
-        coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [1, V]
-        return kernels.rescore(coarse, counts, h, self.rows, theta, below)[0]
+        coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [B, V]
+        return torch.cat([kernels.rescore(coarse[b : b + 1], n, h[b : b + 1], self.rows, theta, below)[0]
+                          for b, (n, theta, below) in enumerate(zip(counts, thetas, belows))])
 
 
 def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
@@ -99,17 +106,12 @@ def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward |
     return ring_forward(fwd) if compiled and isinstance(fwd, TorchForward) else fwd
 
 
-def quantized_rows(decoder, compiled: bool = False) -> TorchForward | RingForward | None:
-    """The 4-bit draft forward for a batched engine (several sequences a forward: torch's kernels), once per decoder;
-    compiled where `compiled` (quant_ring.py, compiled now for one sequence a call and for several)."""
-    solo = quantized(decoder)
-    if isinstance(solo, TorchForward) or solo is None:
-        fwd = solo
-    else:
-        if not hasattr(decoder, "_specrun_q4_rows"):
-            decoder._specrun_q4_rows = TorchForward.of(decoder)
-        fwd = decoder._specrun_q4_rows
-    return ring_forward(fwd, batched=True) if compiled and fwd is not None else fwd
+def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
+    """The 4-bit draft forward for a batched engine (several sequences a forward), once per decoder: our kernels where
+    they take it (a window a sequence), else torch's int4 kernels, compiled where `compiled` (quant_ring.py, compiled
+    now for one sequence a call and for several)."""
+    fwd = quantized(decoder)
+    return ring_forward(fwd, batched=True) if compiled and isinstance(fwd, TorchForward) else fwd
 
 
 @dataclass
@@ -217,8 +219,8 @@ class BatchedQuantDrafter:
 
 
 @torch.inference_mode()
-def draft_batch(forward: TorchForward | RingForward, entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]
-                ) -> None:
+def draft_batch(forward: KernelForward | TorchForward | RingForward,
+                entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
     """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
     page's view, with k, v and length; its drafter; its context), all of one step's budget."""
     if not entries:

@@ -131,6 +131,19 @@ class CpuLayers:
             queries.extend(q.transpose(0, 1) for q in kept)
         return x
 
+    def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, starts: list[int],
+             q8: list[KVCodes]) -> torch.Tensor:
+        """One new token for each of several sequences through the quantized layers: row b over caches[b] (anything
+        with k, v [Lyr, Hkv, cap, D]) at slot starts[b], attending q8[b] (the 4-bit draft's forward, batched).
+
+        # x: [B, H] bf16 (embedded), cos/sin: [B, D] -> x: [B, H]
+        """
+        if not self.quantized:
+            raise ValueError("only the quantized layers attend an int8 copy")
+        seqs = [_seq(b, 1, start, c.k, c.v, None, self.dtype, codes)
+                for b, (c, start, codes) in enumerate(zip(caches, starts, q8))]
+        return self._run(x, cos, sin, seqs, max(starts) + 1, False)[0]
+
     def batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               spans: list[tuple[int, int, int, int, torch.Tensor | None]], queries: list | None = None) -> torch.Tensor:
         """A batched worker's forward: every sequence's rows over its one page of the pool, each row as its solo run

@@ -1,0 +1,103 @@
+"""The 4-bit draft's window on our kernels (kernel_window.py): the mirror holds a sequence's sinks and recent slots
+however long it grows, coded as at once; the draft over a long cache is the draft over exactly those slots; and the
+output stays AR's (I1)."""
+
+import functools
+
+import pytest
+import torch
+
+from specrun.decoding.drafters import quant_draft
+from specrun.decoding.drafters.kernel_window import DraftWindow
+from specrun.decoding.drafters.quant_draft import KernelForward
+from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.kv_cache import KVCache
+from specrun.decoding.forward.kv_codes import KVCodes
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams
+from specrun.models.loader import load_model
+from tests.decoding.test_quant_draft import PROMPT, _on_grid, _slots, model_dir  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
+SMALL = {"sinks": 4, "window": 40, "slide": 16, "reserve": 8}  # a mirror of 68 slots, 80 in whole tiles
+
+
+def _kept(k: torch.Tensor, length: int, first: int, sinks: int) -> torch.Tensor:
+    """# k: [Lyr, Hkv, S, D] -> the slots a window starting at `first` keeps: [Lyr, Hkv, n, D]"""
+    return torch.cat([k[:, :, : min(length, sinks)], k[:, :, max(first, sinks) : length]], dim=2)
+
+
+def test_the_mirror_keeps_the_sinks_and_at_least_the_window_coded_as_at_once():
+    """Steps of any size, a long jump (a resumed sequence's prefill) and a new shorter sequence: the mirror's slots are
+    the sinks and the recent slots (never fewer than the window once it slides), its codes those of the kept K/V
+    coded in one call, and a draft's reserve always fits."""
+    gen = torch.Generator().manual_seed(4)
+    k, v = (torch.randn((3, 2, 400, 32), generator=gen).bfloat16() for _ in range(2))
+    kernels = cpu_kernels()
+    win = DraftWindow(3, 2, 32, **SMALL)
+    assert win.cap == 80
+    slid = False
+    for length in (1, 3, 10, 50, 60, 61, 75, 90, 91, 200, 201, 260, 8, 30, 399):
+        if length < win.upto:  # a new sequence: other K/V in the same cache
+            k, v = -k, 2 * v
+        win.sync(kernels, k, v, length)
+        kept_k, kept_v = _kept(k, length, win.first, 4), _kept(v, length, win.first, 4)
+        n = kept_k.shape[2]
+        assert win.length == n and win.length + 8 <= win.cap, length
+        assert torch.equal(win.k[:, :, :n], kept_k) and torch.equal(win.v[:, :, :n], kept_v), length
+        assert win.first == 4 or length - win.first >= 40, length
+        slid |= win.first > 4
+        fresh = KVCodes(3, 2, win.cap, 32)
+        fresh.sync(kernels, win.k, win.v, n)
+        assert all(torch.equal(a, b) for a, b in zip(_slots(win.codes, n), _slots(fresh, n))), length
+    assert slid
+
+
+def test_the_draft_over_a_long_cache_is_the_draft_over_its_sinks_and_window(model_dir):  # noqa: F811
+    """Past its window the kernel draft's logits are those of the same draft over a cache holding only the sinks and
+    the recent slots (at the same positions), and not those of the whole cache."""
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
+    dec = FusedDecoder.of(lm.model)
+    fwd = KernelForward.of(dec)
+    gen = torch.Generator().manual_seed(1)
+    L, Hkv, D, length = len(dec.layers), dec.n_kv, dec.head_dim, 300
+    cache = KVCache(L, 512, Hkv, D, torch.bfloat16, "cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    cache.length = length
+
+    def draft(over: KVCache, window: DraftWindow) -> torch.Tensor:
+        fwd.window = window
+        fwd.begin([over], [length], 3)
+        return torch.cat([fwd.logits(i, [65 + i], [None], [1.0], [1e9]) for i in range(3)])
+
+    ours = draft(cache, DraftWindow(L, Hkv, D, **SMALL))
+    first = fwd.window.first
+    assert first > 4
+    short = KVCache(L, 64, Hkv, D, torch.bfloat16, "cpu")
+    n = 4 + length - first
+    short.k[:, :, :n], short.v[:, :, :n] = _kept(cache.k, length, first, 4), _kept(cache.v, length, first, 4)
+    short.length = n
+    assert torch.equal(ours, draft(short, DraftWindow(L, Hkv, D)))
+    assert not torch.equal(ours, draft(cache, DraftWindow(L, Hkv, D)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_drafting_past_many_slides_of_the_window_changes_nothing(model_dir, monkeypatch, temperature):  # noqa: F811
+    """A generation ten times the window, its draft windowed: AR's tokens exactly, whole drafts still accepted (this
+    random model attends widely, so a 40-slot window keeps few: 1.15 tokens a step against 3.4 over the whole cache),
+    and the mirror as small as the window makes it."""
+    monkeypatch.setattr(quant_draft, "DraftWindow", functools.partial(DraftWindow, **SMALL))
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
+    dec = FusedDecoder.of(lm.model)
+    dec._specrun_q4 = KernelForward.of(dec)
+    params = SamplingParams(max_tokens=400, temperature=temperature, min_p=0.1, penalty=1.2, penalty_window=32,
+                            seed=3, ignore_eos=True)
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
+    result = engine.generate(PROMPT, params)
+    window = engine.drafters[0].forward.window
+    assert result.token_ids == ar
+    assert window.cap == 80 and window.first > 300
+    assert result.stats["accepted_hist"].get("4", 0) > 0, result.stats
