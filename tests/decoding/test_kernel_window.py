@@ -85,7 +85,8 @@ def test_the_draft_over_a_long_cache_is_the_draft_over_its_sinks_and_window(mode
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_drafting_past_many_slides_of_the_window_changes_nothing(model_dir, monkeypatch, temperature):  # noqa: F811
-    """A generation ten times the window, its draft windowed: AR's tokens exactly, whole drafts still accepted (this
+    """A generation ten times the window, its draft windowed: AR's tokens exactly, the window in step with the cache,
+    whole drafts still accepted (this
     random model attends widely, so a 40-slot window keeps few: 1.15 tokens a step against 3.4 over the whole cache),
     and the mirror as small as the window makes it."""
     monkeypatch.setattr(quant_draft, "DraftWindow", functools.partial(DraftWindow, **SMALL))
@@ -100,4 +101,5 @@ def test_drafting_past_many_slides_of_the_window_changes_nothing(model_dir, monk
     window = engine.drafters[0].forward.window
     assert result.token_ids == ar
     assert window.cap == 80 and window.first > 300
+    assert window.upto == engine.runner.cache.length  # every step's committed slots taken as they come
     assert result.stats["accepted_hist"].get("4", 0) > 0, result.stats

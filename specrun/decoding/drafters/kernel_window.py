@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from specrun.decoding.drafters.quant_torch import SINKS
+# the torch draft's partial KV (its first SINKS slots, at least its last WINDOW): a draft reads 4,080-4,336 keys past
+# 4,352 committed slots. A 1,984-slot window drafted as well on smollm2 at its own context, but under yarn:5 it kept
+# 3.1-4.0 tokens a width-6 step at 4-6K against 4.9 over the whole cache (4,016: 3.9-4.4; docs/benchmarks.md)
+from specrun.decoding.drafters.quant_torch import SINKS, WINDOW
 from specrun.decoding.forward.kv_codes import KVCodes
 from specrun.decoding.kernels.cpu_kernels import CpuKernels
 
-# the recent slots kept at least: with SLIDE, a draft reads 2,048-2,320 keys past 2,320 committed slots (an int8
-# attention of ~2.8 ms at 2,048 keys on smollm2, about half a drafted token): its cost at 32K is its cost at 2K
-WINDOW = 1984
 SLIDE = 256  # the window's first slot moves this far at once: the mirror is copied again every SLIDE tokens
 RESERVE = 16  # mirror slots past the committed ones for a draft's own tokens (quant_draft.MAX_CHAIN + 1)
 

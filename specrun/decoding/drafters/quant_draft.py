@@ -82,6 +82,13 @@ class KernelForward:
         if self.window is not None:
             self.window.reset()  # a new sequence: its cache is refilled from slot 0
 
+    @torch.inference_mode()
+    def follow(self, cache) -> None:
+        """A solo step committed slots: the window takes them now, so a draft after a run of plain AR steps pays no
+        catch-up copy (which made drafting look dearer than it is to the width tuner)."""
+        if self.window is not None:
+            self.window.sync(self.layers.kernels, cache.k, cache.v, cache.length)
+
     def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
                ) -> torch.Tensor:
         """# counts[b]: [V] int32 or None -> [B, V] float32, each sequence's draft logits after its i-th token (-inf
@@ -179,7 +186,8 @@ class QuantDrafter:
         pass
 
     def commit(self, tokens: list[int]) -> None:
-        pass
+        if isinstance(self.forward, KernelForward):
+            self.forward.follow(self.runner.cache)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
