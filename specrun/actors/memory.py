@@ -52,20 +52,38 @@ def _meminfo_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no /proc (macOS): free pages
 
 
-def fit_concurrency(cap: int, need_tokens: int, bytes_per_token: int, budget: int) -> int:
-    """Most sequences (1..cap) whose whole KV (need_tokens each) fits in budget bytes; at least 1 (a sequence that
-    does not fit alone fails at admission, naming its need)."""
-    per_sequence = need_tokens * bytes_per_token
+def fit_concurrency(cap: int, need_tokens: int, bytes_per_token: int, budget: int, extra: int = 0) -> int:
+    """Most sequences (1..cap) whose whole KV (need_tokens each) and `extra` bytes each (the draft's window) fit in
+    budget bytes; at least 1 (a sequence that does not fit alone fails at admission, naming its need)."""
+    per_sequence = need_tokens * bytes_per_token + extra
     return max(1, min(cap, budget // max(1, per_sequence)))
 
 
-def check_concurrency(n: int, need_tokens: int, bytes_per_token: int, budget: int) -> None:
-    """A --concurrency N that cannot hold N sequences' KV fails at load, with both sizes, instead of mid-run."""
-    want = n * need_tokens * bytes_per_token
+def check_concurrency(n: int, need_tokens: int, bytes_per_token: int, budget: int, extra: int = 0) -> None:
+    """A --concurrency N that cannot hold N sequences' KV (and `extra` bytes each) fails at load, with both sizes,
+    instead of mid-run."""
+    want = n * (need_tokens * bytes_per_token + extra)
     if want > budget:
+        window = f", and each a {extra / 2**20:.0f} MiB window of the 4-bit draft" if extra else ""
         raise ValueError(f"--concurrency {n} needs {want / GiB:.2f} GiB of KV ({n} x {need_tokens} tokens, the job's "
-                         f"longest prompt + max_tokens) but this worker can give {budget / GiB:.2f} GiB: lower "
+                         f"longest prompt + max_tokens{window}) but this worker can give {budget / GiB:.2f} GiB: lower "
                          f"--concurrency or max_tokens, or leave --concurrency auto")
+
+
+def draft_window_bytes(lm, config, need: int) -> int:
+    """What each sequence's 4-bit draft takes beside its KV: its window (kernel_window.py) where it drafts on our
+    kernels; 0 where it does not draft or reads the KV pages themselves (torch's int4 forward)."""
+    from specrun.decoding.drafters.kernel_window import window_bytes
+    from specrun.decoding.drafters.protocol import NEEDS_QUANT
+    from specrun.decoding.drafters.quant_draft import KernelForward, quantized
+    from specrun.decoding.forward.decoder import FusedDecoder
+
+    if config.drafters is not None and not set(NEEDS_QUANT) & set(config.drafters):
+        return 0
+    dec = FusedDecoder.of(lm.model)
+    if not isinstance(quantized(dec), KernelForward):
+        return 0
+    return window_bytes(len(dec.layers), dec.n_kv, dec.head_dim, need)
 
 
 def kv_need(longest: int, trie_budget: int) -> int:
@@ -88,10 +106,11 @@ def batch_engine(lm, config, cap: int, need: int, page_size: int, device: str, w
         return None, 1
     per_token = kv_bytes_per_token(lm.model.config, lm.dtype)
     budget = kv_budget_bytes(device, workers)
+    extra = draft_window_bytes(lm, config, need) if device == "cpu" else 0
     if auto:
-        n = fit_concurrency(cap, need, per_token, budget)
+        n = fit_concurrency(cap, need, per_token, budget, extra)
     else:
-        check_concurrency(cap, need, per_token, budget)
+        check_concurrency(cap, need, per_token, budget, extra)
         n = cap
     if n == 1:
         return None, 1

@@ -31,6 +31,13 @@ def test_fit_concurrency_is_what_the_budget_holds_between_1_and_the_cap():
     assert fit_concurrency(8, need_tokens=1000, bytes_per_token=100, budget=10) == 1  # admission names the need
 
 
+def test_each_sequences_draft_window_counts_against_the_budget():
+    assert fit_concurrency(8, need_tokens=1000, bytes_per_token=100, budget=350_000, extra=75_000) == 2
+    check_concurrency(2, 1000, 100, 350_000, extra=75_000)
+    with pytest.raises(ValueError, match=r"--concurrency 3 needs .*window of the 4-bit draft"):
+        check_concurrency(3, 1000, 100, 350_000, extra=75_000)
+
+
 def test_an_explicit_concurrency_over_the_budget_names_both_sizes():
     check_concurrency(4, 1000, 100, 400_000)
     with pytest.raises(ValueError, match=r"--concurrency 5 needs 0\.00 GiB .*5 x 1000 tokens.*auto"):

@@ -7,9 +7,11 @@ import functools
 import pytest
 import torch
 
+from specrun.actors.memory import draft_window_bytes
 from specrun.decoding.drafters import quant_draft
-from specrun.decoding.drafters.kernel_window import DraftWindow
+from specrun.decoding.drafters.kernel_window import SLIDE, DraftWindow, window_bytes, window_slots
 from specrun.decoding.drafters.quant_draft import KernelForward
+from specrun.decoding.drafters.quant_torch import SINKS, WINDOW
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.kv_cache import KVCache
@@ -35,7 +37,7 @@ def test_the_mirror_keeps_the_sinks_and_at_least_the_window_coded_as_at_once():
     gen = torch.Generator().manual_seed(4)
     k, v = (torch.randn((3, 2, 400, 32), generator=gen).bfloat16() for _ in range(2))
     kernels = cpu_kernels()
-    win = DraftWindow(3, 2, 32, **SMALL)
+    win = DraftWindow(3, 2, 32, 400, **SMALL)
     assert win.cap == 80
     slid = False
     for length in (1, 3, 10, 50, 60, 61, 75, 90, 91, 200, 201, 260, 8, 30, 399):
@@ -52,6 +54,25 @@ def test_the_mirror_keeps_the_sinks_and_at_least_the_window_coded_as_at_once():
         fresh.sync(kernels, win.k, win.v, n)
         assert all(torch.equal(a, b) for a, b in zip(_slots(win.codes, n), _slots(fresh, n))), length
     assert slid
+
+
+def test_a_mirror_is_no_larger_than_its_sequences_cache_can_fill():
+    """A short sequence's mirror holds its cache's slots and a draft's reserve, a long one's the window's; its bytes
+    (what a batched worker reserves for it) are those of the tensors it holds."""
+    assert window_slots(100) == 112 + 16 and window_slots(10**6) == window_slots(SINKS + WINDOW + SLIDE)
+    for capacity in (100, 5000):
+        win = DraftWindow(3, 2, 32, capacity)
+        assert win.cap == window_slots(capacity)
+        held = win.k.nbytes + win.v.nbytes + win.codes.data.nbytes
+        assert window_bytes(3, 2, 32, capacity) == held
+
+
+def test_a_batched_worker_reserves_a_window_for_each_sequence_where_it_drafts_on_the_kernels(model_dir):  # noqa: F811
+    lm = load_model(str(model_dir), dtype="bfloat16")
+    dec = FusedDecoder.of(lm.model)
+    assert draft_window_bytes(lm, EngineConfig(), 300) == window_bytes(len(dec.layers), dec.n_kv, dec.head_dim, 300)
+    assert draft_window_bytes(lm, EngineConfig(drafters=("ngram",)), 300) == 0
+    assert draft_window_bytes(load_model(str(model_dir), dtype="float32"), EngineConfig(), 300) == 0  # torch's int4
 
 
 def test_the_draft_over_a_long_cache_is_the_draft_over_its_sinks_and_window(model_dir):  # noqa: F811
@@ -72,15 +93,15 @@ def test_the_draft_over_a_long_cache_is_the_draft_over_its_sinks_and_window(mode
         fwd.begin([over], [length], 3)
         return torch.cat([fwd.logits(i, [65 + i], [None], [1.0], [1e9]) for i in range(3)])
 
-    ours = draft(cache, DraftWindow(L, Hkv, D, **SMALL))
+    ours = draft(cache, DraftWindow(L, Hkv, D, 512, **SMALL))
     first = fwd.window.first
     assert first > 4
     short = KVCache(L, 64, Hkv, D, torch.bfloat16, "cpu")
     n = 4 + length - first
     short.k[:, :, :n], short.v[:, :, :n] = _kept(cache.k, length, first, 4), _kept(cache.v, length, first, 4)
     short.length = n
-    assert torch.equal(ours, draft(short, DraftWindow(L, Hkv, D)))
-    assert not torch.equal(ours, draft(cache, DraftWindow(L, Hkv, D)))
+    assert torch.equal(ours, draft(short, DraftWindow(L, Hkv, D, 64)))
+    assert not torch.equal(ours, draft(cache, DraftWindow(L, Hkv, D, 512)))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -1,8 +1,8 @@
 """The partial KV that the 4-bit draft on our kernels attends: a sequence's first SINKS committed slots and at least its
 last WINDOW, copied into a mirror (bf16 K/V and their int8 codes) that the draft's own tokens follow.
 
-A drafted token then reads at most MIRROR_SLOTS keys however long the text (I5), and the draft never writes into the
-target's cache. What it attends only changes how often its tokens are accepted, never the output (I1).
+A drafted token then reads at most SINKS + WINDOW + SLIDE keys however long the text (I5), and the draft never writes
+into the target's cache. What it attends only changes how often its tokens are accepted, never the output (I1).
 """
 
 from __future__ import annotations
@@ -20,14 +20,27 @@ SLIDE = 256  # the window's first slot moves this far at once: the mirror is cop
 RESERVE = 16  # mirror slots past the committed ones for a draft's own tokens (quant_draft.MAX_CHAIN + 1)
 
 
+def window_slots(capacity: int, sinks: int = SINKS, window: int = WINDOW, slide: int = SLIDE,
+                 reserve: int = RESERVE) -> int:
+    """The mirror's slots for a sequence whose cache holds `capacity` slots: no more than it can ever mirror."""
+    return -(-min(sinks + window + slide, capacity) // 16) * 16 + -(-reserve // 16) * 16
+
+
+def window_bytes(layers: int, kv_heads: int, head_dim: int, capacity: int) -> int:
+    """Memory of one sequence's mirror: bf16 K and V and their int8 codes (q8_bytes), for every slot."""
+    return layers * kv_heads * window_slots(capacity) * (4 * head_dim + 2 * head_dim + 12)
+
+
 class DraftWindow:
     """One sequence's mirror: slots [0, sinks) are its committed slots [0, sinks), slots [sinks, length) its committed
     slots [first, first + length - sinks). sync() adds the slots committed since its last call; once the mirror could
     not hold them and a draft's reserve, `first` moves to keep the last `window` and the window is copied again."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, sinks: int = SINKS, window: int = WINDOW,
-                 slide: int = SLIDE, reserve: int = RESERVE):
-        self.codes = KVCodes(layers, kv_heads, sinks + window + slide + reserve, head_dim)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, sinks: int = SINKS,
+                 window: int = WINDOW, slide: int = SLIDE, reserve: int = RESERVE):
+        """capacity: the slots of the caches it mirrors (a shorter cache needs a smaller mirror)."""
+        self.capacity = capacity
+        self.codes = KVCodes(layers, kv_heads, window_slots(capacity, sinks, window, slide, reserve), head_dim)
         self.cap = self.codes.cap  # whole tiles of 16 slots
         shape = (layers, kv_heads, self.cap, head_dim)
         self.k, self.v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)

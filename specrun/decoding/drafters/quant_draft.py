@@ -52,7 +52,7 @@ class KernelForward:
         self.window: DraftWindow | None = None  # the solo engine's sequence's
         self.windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a batched engine's, by drafter
         self.active: list[DraftWindow] = []  # this draft's sequences'
-        self.cos = self.sin = None  # [k, D] of the draft's positions
+        self.cos = self.sin = None  # [B, k, D] of the draft's positions
 
     @classmethod
     def of(cls, decoder) -> KernelForward | None:
@@ -65,13 +65,14 @@ class KernelForward:
     def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
         """A draft of k tokens for each sequence: its root at positions[b], over caches[b] (anything with k, v
         [Lyr, Hkv, S, D] and length), in the window of owners[b] (default: the solo engine's one window)."""
-        L, Hkv, _, D = caches[0].k.shape
-        if owners is None:
-            if self.window is None or self.window.k.shape[:2] != (L, Hkv):
-                self.window = DraftWindow(L, Hkv, D)
+        L, Hkv, S, D = caches[0].k.shape
+        if owners is None:  # a new window where the runner's cache grew past what this one was sized for
+            if self.window is None or self.window.k.shape[:2] != (L, Hkv) or self.window.capacity < S:
+                self.window = DraftWindow(L, Hkv, D, S)
             self.active = [self.window]
         else:  # a batched engine's sequences, each its drafter's window (freed with the drafter)
-            self.active = [self.windows.get(o) or self.windows.setdefault(o, DraftWindow(L, Hkv, D)) for o in owners]
+            self.active = [self.windows.get(o) or self.windows.setdefault(o, DraftWindow(L, Hkv, D, S))
+                           for o in owners]
         for window, cache in zip(self.active, caches):
             window.sync(self.layers.kernels, cache.k, cache.v, cache.length)
         like = self.head.new_empty((1, 1, self.dec.head_dim), dtype=torch.bfloat16)
