@@ -74,11 +74,10 @@ def draft_window_bytes(lm, config, need: int) -> int:
     """What each sequence's 4-bit draft takes beside its KV: its window (kernel_window.py) where it drafts on our
     kernels; 0 where it does not draft or reads the KV pages themselves (torch's int4 forward)."""
     from specrun.decoding.drafters.kernel_window import window_bytes
-    from specrun.decoding.drafters.protocol import NEEDS_QUANT
     from specrun.decoding.drafters.quant_draft import KernelForward, quantized
     from specrun.decoding.forward.decoder import FusedDecoder
 
-    if config.drafters is not None and not set(NEEDS_QUANT) & set(config.drafters):
+    if not config.wants_quant:
         return 0
     dec = FusedDecoder.of(lm.model)
     if not isinstance(quantized(dec), KernelForward):

@@ -83,6 +83,11 @@ class EngineConfig:
             raise ValueError(f"step_graphs={self.step_graphs!r}; choose from auto, on, off")
         TreeTemplate(self.tree)  # validates the tree spec
 
+    @property
+    def wants_quant(self) -> bool:
+        """A drafter of the model's 4-bit copy is asked for, or may be chosen (auto)."""
+        return self.drafters is None or bool(set(NEEDS_QUANT) & set(self.drafters))
+
     def active_drafters(self, have_heads: bool, have_drafter: bool = False, can_quantize: bool = False
                         ) -> tuple[str, ...]:
         if self.drafters is None:
@@ -118,9 +123,8 @@ def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: b
     (whole_pages: the CPU's layout)."""
     heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
     recurrent = config.recurrent_weights(lm)
-    wanted = config.drafters is None or set(NEEDS_QUANT) & set(config.drafters)
     dec = FusedDecoder.of(lm.model)
-    can_quantize = bool(wanted) and (quantized(dec) is not None and config.attention == "sdpa" if solo
+    can_quantize = config.wants_quant and (quantized(dec) is not None and config.attention == "sdpa" if solo
                                      else whole_pages and quantized_rows(dec) is not None)
     return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
 

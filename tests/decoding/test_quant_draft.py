@@ -135,7 +135,7 @@ def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model
     tok, pos = torch.tensor([65]), torch.tensor([len(PROMPT)])
     x = dec.embed(tok)
     cos, sin = dec.rotary(x[None], pos[None])
-    ours = dec.norm(layers(x, cos[0], sin[0], cache, cache.length, None, q8=codes)).float()
+    ours = dec.norm(layers.rows(x, cos[0], sin[0], [cache], [cache.length], [codes])).float()
     if int8_kv:  # the new slot's codes are those of the K/V the layers wrote there
         again = KVCodes(cache.n_layers, cache.k.shape[1], cache.capacity, cache.k.shape[3])
         again.sync(layers.kernels, cache.k, cache.v, cache.length + 1)

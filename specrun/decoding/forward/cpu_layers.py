@@ -114,27 +114,25 @@ class CpuLayers:
         return cls(dec, kernels, quantized=True)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                 new_mask: torch.Tensor | None, queries: list | None = None, q8: KVCodes | None = None) -> torch.Tensor:
+                 new_mask: torch.Tensor | None, queries: list | None = None) -> torch.Tensor:
         """Run every layer over T new tokens, writing their K/V at slots [start, start + T); with a queries list, each
-        layer's rotated q [Hq, T, D] is appended to it (as decoder.py's torch path does). The quantized layers attend
-        q8, the int8 copy of slots [0, start) (they add the new slots' codes), where given; else the bf16 cache.
+        layer's rotated q [Hq, T, D] is appended to it (as decoder.py's torch path does).
 
         # x: [T, H] (embedded), cos/sin: [T, D], new_mask: [T, T] bool (None for T == 1) -> x: [T, H]; all but the mask
         # in the layers' dtype (bf16 or float32)
         """
         mask = None if new_mask is None else new_mask.contiguous()
-        if q8 is not None and not self.quantized:
-            raise ValueError("only the quantized layers attend an int8 copy")
-        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask, self.dtype, q8)
+        seq = _seq(0, x.shape[0], start, cache.k, cache.v, mask, self.dtype)
         x, kept = self._run(x, cos, sin, [seq], start + x.shape[0], queries is not None)
         if queries is not None:
             queries.extend(q.transpose(0, 1) for q in kept)
         return x
 
     def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, starts: list[int],
-             q8: list[KVCodes]) -> torch.Tensor:
-        """One new token for each of several sequences through the quantized layers: row b over caches[b] (anything
-        with k, v [Lyr, Hkv, cap, D]) at slot starts[b], attending q8[b] (the 4-bit draft's forward, batched).
+             q8: list[KVCodes | None]) -> torch.Tensor:
+        """One new token for each of several sequences through the quantized layers (the 4-bit draft's forward): row b
+        over caches[b] (anything with k, v [Lyr, Hkv, cap, D]) at slot starts[b], attending q8[b], the int8 copy of
+        its slots [0, starts[b]) (the new slot's codes added), or where None the bf16 cache.
 
         # x: [B, H] bf16 (embedded), cos/sin: [B, D] -> x: [B, H]
         """
