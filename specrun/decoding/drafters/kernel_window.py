@@ -1,5 +1,5 @@
-"""The partial KV that the 4-bit draft on our kernels attends: a sequence's first SINKS committed slots and at least its
-last WINDOW, copied into a mirror (bf16 K/V and their int8 codes) that the draft's own tokens follow.
+"""The partial KV that the 4-bit draft on our kernels attends: a sequence's first SINKS committed slots, the older slots
+its last query scores highest and its recent ones, WINDOW in all, copied into a mirror that its drafted tokens follow.
 
 A drafted token then reads at most SINKS + WINDOW + SLIDE keys however long the text (I5), and the draft never writes
 into the target's cache. What it attends only changes how often its tokens are accepted, never the output (I1).
@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import torch
 
-# the torch draft's partial KV (its first SINKS slots, at least its last WINDOW): a draft reads 4,080-4,336 keys past
-# 4,352 committed slots. A 1,984-slot window drafted as well on smollm2 at its own context, but under yarn:5 it kept
-# 3.1-4.0 tokens a width-6 step at 4-6K against 4.9 over the whole cache (4,016: 3.9-4.4; docs/benchmarks.md)
+# the torch draft's SINKS and WINDOW: a draft reads 4,080-4,336 keys past 4,352 committed slots. Under yarn:5 the
+# target reads far back: the recent 4,016 slots alone lost ~1 token a width-6 step past the first rebuild; with half
+# of them chosen by importance it lost ~0.4, with 1,984 slots ~1.7 (docs/benchmarks.md, stop 52)
 from specrun.decoding.drafters.quant_torch import SINKS, WINDOW
 from specrun.decoding.forward.kv_codes import KVCodes
 from specrun.decoding.kernels.cpu_kernels import CpuKernels
 
-SLIDE = 256  # the window's first slot moves this far at once: the mirror is copied again every SLIDE tokens
+SLIDE = 256  # a rebuild leaves this much room: the mirror is chosen and copied again every SLIDE tokens
 RESERVE = 16  # mirror slots past the committed ones for a draft's own tokens (quant_draft.MAX_CHAIN + 1)
+RECENT_SHARE = 0.5  # of the window, the share of the last slots kept whatever their importance
 
 
 def window_slots(capacity: int, sinks: int = SINKS, window: int = WINDOW, slide: int = SLIDE,
@@ -32,27 +33,51 @@ def window_bytes(layers: int, kv_heads: int, head_dim: int, capacity: int) -> in
 
 
 class DraftWindow:
-    """One sequence's mirror: slots [0, sinks) are its committed slots [0, sinks), slots [sinks, length) its committed
-    slots [first, first + length - sinks). sync() adds the slots committed since its last call; once the mirror could
-    not hold them and a draft's reserve, `first` moves to keep the last `window` and the window is copied again."""
+    """One sequence's mirror. Until it first fills, mirror slot i is committed slot i. Once a sync's slots and a draft's
+    reserve would not fit, it is rebuilt: per layer and KV head the sinks, the `window - recent` older slots that the
+    draft's last query (note_query) scores highest (q . k, TokenSwift's importance), and the last `recent` slots; the
+    slots committed after a rebuild follow it in order. `held()` says which committed slot each mirror slot holds."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, sinks: int = SINKS,
-                 window: int = WINDOW, slide: int = SLIDE, reserve: int = RESERVE):
-        """capacity: the slots of the caches it mirrors (a shorter cache needs a smaller mirror)."""
+                 window: int = WINDOW, slide: int = SLIDE, reserve: int = RESERVE, recent: int | None = None):
+        """capacity: the slots of the caches it mirrors (a shorter cache needs a smaller mirror); recent: of the
+        window, the last slots kept (default RECENT_SHARE of it)."""
+        recent = max(1, int(window * RECENT_SHARE)) if recent is None else recent
+        if not 0 < recent <= window:
+            raise ValueError(f"recent={recent} must be in (0, window={window}]")
         self.capacity = capacity
         self.codes = KVCodes(layers, kv_heads, window_slots(capacity, sinks, window, slide, reserve), head_dim)
         self.cap = self.codes.cap  # whole tiles of 16 slots
         shape = (layers, kv_heads, self.cap, head_dim)
         self.k, self.v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
-        self.sinks, self.window, self.reserve = sinks, window, reserve
+        self.sinks, self.window, self.reserve, self.recent = sinks, window, reserve, recent
+        self.query: torch.Tensor | None = None  # [Lyr, Hkv, D] float32: the draft's last root query, summed by group
         self.reset()
 
     def reset(self) -> None:
         """A new sequence: its cache is mirrored again from slot 0."""
-        self.first = self.sinks  # the committed slot at mirror slot `sinks` (all slots at their own place until then)
-        self.upto = 0  # committed slots [0, upto) are mirrored
+        self.selected: torch.Tensor | None = None  # [Lyr, Hkv, n] long: the committed slots at mirror slots [0, n)
+        self.base = 0  # mirror slots [n, length) hold committed slots [base, upto), n = length - (upto - base)
+        self.upto = 0  # committed slots [0, upto) are mirrored (or were left out by a rebuild)
         self.length = 0  # mirror slots holding committed K/V: a draft's first token goes to this one
+        self.rebuilds = 0
+        self.query = None
         self.codes.upto = 0
+
+    def note_query(self, q: torch.Tensor) -> None:
+        """The draft's rotated queries at its root token: the next rebuild scores the older slots against them.
+
+        # q: [Lyr, Hq, D]
+        """
+        Lyr, Hq, D = q.shape
+        Hkv = self.k.shape[1]
+        self.query = q.reshape(Lyr, Hkv, Hq // Hkv, D).float().sum(2)  # sum_h q_h . k = (sum_h q_h) . k
+
+    def held(self) -> torch.Tensor:
+        """# -> [Lyr, Hkv, length] long: the committed slot each mirror slot holds"""
+        Lyr, Hkv = self.k.shape[:2]
+        tail = torch.arange(self.base, self.upto).expand(Lyr, Hkv, -1)
+        return tail if self.selected is None else torch.cat([self.selected, tail], dim=2)
 
     def sync(self, kernels: CpuKernels, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
         """Mirror the committed slots [0, length) of the bf16 cache k, v (length below the last call's: a new sequence).
@@ -61,23 +86,33 @@ class DraftWindow:
         """
         if length < self.upto:
             self.reset()
-        s = self.sinks
-        if self.upto < s:
-            n = min(length, s)
-            self._copy(k, v, self.upto, n, self.upto)
-        if s + length - self.first + self.reserve > self.cap:
-            self.first = length - self.window
-            lo = self.first
-            self.codes.upto = min(self.codes.upto, s)  # every window slot is coded again
-        else:
-            lo = max(self.upto, self.first)
-        if length > lo:
-            self._copy(k, v, lo, length, s + lo - self.first)
-        self.upto = length
-        self.length = min(length, s) + max(0, length - self.first)
+        new = length - self.upto
+        if self.length + new + self.reserve > self.cap:
+            self._rebuild(k, v, length)
+        elif new > 0:
+            n = self.length
+            self.k[:, :, n : n + new] = k[:, :, self.upto : length]
+            self.v[:, :, n : n + new] = v[:, :, self.upto : length]
+            self.length, self.upto = n + new, length
         self.codes.sync(kernels, self.k, self.v, self.length)
 
-    def _copy(self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, to: int) -> None:
-        """Committed slots [lo, hi) to mirror slots [to, to + hi - lo)."""
-        self.k[:, :, to : to + hi - lo] = k[:, :, lo:hi]
-        self.v[:, :, to : to + hi - lo] = v[:, :, lo:hi]
+    def _rebuild(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        """The sinks, the most important of the older slots and the recent ones, per layer and KV head."""
+        s, keep, recent = self.sinks, self.window, self.recent
+        Lyr, Hkv, _, D = k.shape
+        old = length - recent  # slots [s, old) compete on importance
+        if self.query is None or keep == recent:  # no query yet: the most recent instead
+            chosen = torch.arange(length - keep, old).expand(Lyr, Hkv, -1)
+        else:
+            scores = torch.stack([torch.einsum("hsd,hd->hs", k[i, :, s:old].float(), self.query[i])
+                                  for i in range(Lyr)])  # [Lyr, Hkv, old - s]; a layer's keys in float32 at a time
+            chosen = scores.topk(keep - recent, dim=2, sorted=False).indices.sort(dim=2).values + s
+        sinks, tail = torch.arange(s).expand(Lyr, Hkv, -1), torch.arange(old, length).expand(Lyr, Hkv, -1)
+        self.selected = torch.cat([sinks, chosen, tail], dim=2)
+        n = self.selected.shape[2]
+        at = self.selected[..., None].expand(-1, -1, -1, D)
+        self.k[:, :, :n], self.v[:, :, :n] = torch.gather(k, 2, at), torch.gather(v, 2, at)
+        self.length, self.base = n, length
+        self.upto = length
+        self.rebuilds += 1
+        self.codes.upto = min(self.codes.upto, s)  # every slot past the sinks is coded again

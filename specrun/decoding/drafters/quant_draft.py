@@ -96,8 +96,11 @@ class KernelForward:
         outside its candidates)"""
         kernels, ids = self.layers.kernels, torch.tensor(tokens)
         x = self.dec.embed(ids) if self.embed_rows is None else self.embed_rows[ids]  # [B, H]
+        queries = [] if i == 0 else None  # the root's: what the windows' next rebuild ranks their slots by
         h = self.layers.rows(x, self.cos[:, i], self.sin[:, i], self.active, [w.length + i for w in self.active],
-                             [w.codes for w in self.active])  # [B, H]
+                             [w.codes for w in self.active], queries)  # [B, H]
+        for b, window in enumerate(self.active if queries else ()):
+            window.note_query(queries[0][:, b])
         h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
         coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [B, V]
         return torch.cat([kernels.rescore(coarse[b : b + 1], n, h[b : b + 1], self.rows, theta, below)[0]

@@ -129,10 +129,11 @@ class CpuLayers:
         return x
 
     def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, starts: list[int],
-             q8: list[KVCodes | None]) -> torch.Tensor:
+             q8: list[KVCodes | None], queries: list | None = None) -> torch.Tensor:
         """One new token for each of several sequences through the quantized layers (the 4-bit draft's forward): row b
         over caches[b] (anything with k, v [Lyr, Hkv, cap, D]) at slot starts[b], attending q8[b], the int8 copy of
-        its slots [0, starts[b]) (the new slot's codes added), or where None the bf16 cache.
+        its slots [0, starts[b]) (the new slot's codes added), or where None the bf16 cache. With a queries list, the
+        rows' rotated queries [Lyr, B, Hq, D] are appended to it.
 
         # x: [B, H] bf16 (embedded), cos/sin: [B, D] -> x: [B, H]
         """
@@ -140,7 +141,10 @@ class CpuLayers:
             raise ValueError("only the quantized layers attend an int8 copy")
         seqs = [_seq(b, 1, start, c.k, c.v, None, self.dtype, codes)
                 for b, (c, start, codes) in enumerate(zip(caches, starts, q8))]
-        return self._run(x, cos, sin, seqs, max(starts) + 1, False)[0]
+        x, kept = self._run(x, cos, sin, seqs, max(starts) + 1, queries is not None)
+        if queries is not None:
+            queries.append(kept)
+        return x
 
     def batch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               spans: list[tuple[int, int, int, int, torch.Tensor | None]], queries: list | None = None) -> torch.Tensor:
