@@ -80,7 +80,8 @@ def test_a_rebuild_keeps_the_older_slots_the_last_query_scores_highest():
     kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(2, chosen, True)
     lowest_kept = scores.masked_fill(~kept, float("inf")).amin(2)
     highest_left = scores.masked_fill(kept, float("-inf")).amax(2)
-    assert kept.sum(2).eq(20).all() and (lowest_kept >= highest_left - 1e-4).all()
+    rounding = scores.abs().amax(2) / 64  # the scores are bf16 products
+    assert kept.sum(2).eq(20).all() and (lowest_kept >= highest_left - rounding).all()
     assert win.held()[:, :, 24:].eq(torch.arange(280, 300)).all()
     assert not torch.equal(chosen[0, 0], chosen[0, 1])  # each KV head its own
 

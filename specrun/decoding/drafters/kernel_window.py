@@ -51,7 +51,7 @@ class DraftWindow:
         shape = (layers, kv_heads, self.cap, head_dim)
         self.k, self.v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
         self.sinks, self.window, self.reserve, self.recent = sinks, window, reserve, recent
-        self.query: torch.Tensor | None = None  # [Lyr, Hkv, D] float32: the draft's last root query, summed by group
+        self.query: torch.Tensor | None = None  # [Lyr, Hkv, D] bf16: the draft's last root query, summed by group
         self.reset()
 
     def reset(self) -> None:
@@ -71,7 +71,7 @@ class DraftWindow:
         """
         Lyr, Hq, D = q.shape
         Hkv = self.k.shape[1]
-        self.query = q.reshape(Lyr, Hkv, Hq // Hkv, D).float().sum(2)  # sum_h q_h . k = (sum_h q_h) . k
+        self.query = q.reshape(Lyr, Hkv, Hq // Hkv, D).float().sum(2).to(self.k.dtype)  # sum_h q_h.k = (sum_h q_h).k
 
     def held(self) -> torch.Tensor:
         """# -> [Lyr, Hkv, length] long: the committed slot each mirror slot holds"""
@@ -104,8 +104,8 @@ class DraftWindow:
         if self.query is None or keep == recent:  # no query yet: the most recent instead
             chosen = torch.arange(length - keep, old).expand(Lyr, Hkv, -1)
         else:
-            scores = torch.stack([torch.einsum("hsd,hd->hs", k[i, :, s:old].float(), self.query[i])
-                                  for i in range(Lyr)])  # [Lyr, Hkv, old - s]; a layer's keys in float32 at a time
+            scores = torch.stack([(k[i, :, s:old] @ self.query[i, :, :, None])[..., 0]
+                                  for i in range(Lyr)])  # [Lyr, Hkv, old - s] bf16: 85 ms at 32K slots, float32 245
             chosen = scores.topk(keep - recent, dim=2, sorted=False).indices.sort(dim=2).values + s
         sinks, tail = torch.arange(s).expand(Lyr, Hkv, -1), torch.arange(old, length).expand(Lyr, Hkv, -1)
         self.selected = torch.cat([sinks, chosen, tail], dim=2)
