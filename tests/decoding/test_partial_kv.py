@@ -16,7 +16,7 @@ def test_selection_equals_brute_force_top_k(hq, hkv):
     L, D, B, S = 50, 8, 12, 3
     q = torch.randn(hq, D, generator=g, dtype=torch.float64)
     k = torch.randn(L, hkv, D, generator=g, dtype=torch.float64)
-    got = select_top(importance(q, k), B, S)
+    got = select_top(importance(q, k.transpose(0, 1)), B, S)
     group = hq // hkv
     for h in range(hkv):
         scores = [sum(float(q[h * group + j] @ k[i, h]) for j in range(group)) for i in range(L)]

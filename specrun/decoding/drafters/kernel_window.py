@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specrun.decoding.drafters.partial_kv import importance
+
 # the torch draft's SINKS and WINDOW: a draft reads 4,080-4,336 keys past 4,352 committed slots. Under yarn:5 the
 # target reads far back: the recent 4,016 slots alone lost ~1 token a width-6 step past the first rebuild; with half
 # of them chosen by importance it lost ~0.4, with 1,984 slots ~1.7 (docs/benchmarks.md, stop 52)
@@ -51,7 +53,7 @@ class DraftWindow:
         shape = (layers, kv_heads, self.cap, head_dim)
         self.k, self.v = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
         self.sinks, self.window, self.reserve, self.recent = sinks, window, reserve, recent
-        self.query: torch.Tensor | None = None  # [Lyr, Hkv, D] bf16: the draft's last root query, summed by group
+        self.query: torch.Tensor | None = None  # [Lyr, Hq, D]: the draft's last root query
         self.reset()
 
     def reset(self) -> None:
@@ -69,9 +71,7 @@ class DraftWindow:
 
         # q: [Lyr, Hq, D]
         """
-        Lyr, Hq, D = q.shape
-        Hkv = self.k.shape[1]
-        self.query = q.reshape(Lyr, Hkv, Hq // Hkv, D).float().sum(2).to(self.k.dtype)  # sum_h q_h.k = (sum_h q_h).k
+        self.query = q
 
     def held(self) -> torch.Tensor:
         """# -> [Lyr, Hkv, length] long: the committed slot each mirror slot holds"""
@@ -104,8 +104,7 @@ class DraftWindow:
         if self.query is None or keep == recent:  # no query yet: the most recent instead
             chosen = torch.arange(length - keep, old).expand(Lyr, Hkv, -1)
         else:
-            scores = torch.stack([(k[i, :, s:old] @ self.query[i, :, :, None])[..., 0]
-                                  for i in range(Lyr)])  # [Lyr, Hkv, old - s] bf16: 85 ms at 32K slots, float32 245
+            scores = torch.stack([importance(self.query[i], k[i, :, s:old]) for i in range(Lyr)])  # [Lyr, Hkv, old - s]
             chosen = scores.topk(keep - recent, dim=2, sorted=False).indices.sort(dim=2).values + s
         sinks, tail = torch.arange(s).expand(Lyr, Hkv, -1), torch.arange(old, length).expand(Lyr, Hkv, -1)
         self.selected = torch.cat([sinks, chosen, tail], dim=2)
