@@ -1,7 +1,7 @@
-"""A worker's batched generation thread: concurrent generate() calls hand it requests and wait for their results.
+"""A worker's batched generation loop: concurrent generate() calls hand it requests and wait for their results.
 
-One thread owns the BatchEngine (admission, steps, per-sequence callbacks); callers only queue and wait, so Ray's
-actor threads (max_concurrency) turn into sequences of one batch.
+The worker's compute thread (compute.py) owns the BatchEngine (admission, steps, per-sequence callbacks) while requests
+are in flight; callers only queue and wait, so Ray's actor threads (max_concurrency) turn into sequences of one batch.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from specrun.actors.compute import ComputeThread
 
 
 @dataclass
@@ -26,13 +28,13 @@ class _Request:
 
 
 class BatchLoop:
-    def __init__(self, engine):
+    def __init__(self, engine, compute: ComputeThread):
         self.engine = engine
+        self._compute = compute
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
-        self._thread = threading.Thread(target=self._run, name="specrun-batch", daemon=True)
-        self._thread.start()
+        self._looping = False  # the loop is queued or runs on the compute thread
 
     def generate(self, key: str, prompt: list[int], params, resume: list[int], on_step):
         """Blocks until this request's GenerationResult (or raises its error); on_step(emitted) -> stop?
@@ -40,7 +42,9 @@ class BatchLoop:
         req = _Request(key, prompt, params, resume, on_step)
         with self._cv:
             self._pending.append(req)
-            self._cv.notify()
+            if not self._looping:
+                self._looping = True
+                self._compute.submit(self._run)
         req.done.wait()
         if req.error is not None:
             raise req.error
@@ -72,10 +76,12 @@ class BatchLoop:
             self._running[req.key] = self._pending.popleft()
 
     def _run(self) -> None:
+        """Steps until no request is left, then gives the compute thread back (a snapshot or a load may wait)."""
         while True:
             with self._cv:
-                while not self._pending and not self._running:
-                    self._cv.wait()
+                if not self._pending and not self._running:
+                    self._looping = False
+                    return
                 self._admit()
             if not self._running:
                 continue

@@ -1,8 +1,7 @@
 """GenerationWorker: loads the model and builds the Engine once, then generates prompts one at a time with checkpoints.
 
 Plain class (Ray wraps it in pool.py); writes progress chunks, timeline rows, matrix snapshots and live status to the
-shared job dir.
-Those writes are best-effort: a failed one (disk full, stale NFS handle) is logged, reported with the result, and
+shared job dir, best-effort: a failed write (disk full, stale NFS handle) is logged, reported with the result and
 retried at the next checkpoint; it never fails the prompt (the driver's output write is the one that must succeed).
 """
 
@@ -17,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from specrun.actors.batch_loop import BatchLoop
+from specrun.actors.compute import ComputeThread
 from specrun.decoding.stats import rss_mb
 from specrun.storage.atomic import read_json
 from specrun.storage.chunks import write_chunk
@@ -74,6 +75,7 @@ class GenerationWorker:
         self.batch = None  # BatchLoop when it runs more than one sequence at once
         self.concurrency = 1  # sequences at once, resolved by load()
         self.last_snapshot = float("-inf")
+        self.compute = ComputeThread()  # every torch call of this worker runs there
         if load:
             self.load()
 
@@ -111,6 +113,9 @@ class GenerationWorker:
 
     def load(self) -> dict:
         """Load the model and build the engine (once); returns info()."""
+        return self.compute.run(self._load)
+
+    def _load(self) -> dict:
         if self.engine is None:
             import torch
 
@@ -135,9 +140,7 @@ class GenerationWorker:
                                                          spec.page_size, spec.device, spec.workers,
                                                          spec.auto_concurrency)
             if self.engine is not None:
-                from specrun.actors.batch_loop import BatchLoop
-
-                self.batch = BatchLoop(self.engine)
+                self.batch = BatchLoop(self.engine, self.compute)
             else:
                 self.engine = Engine(lm, spec_engine)
             self.hot_source = self._warm_start()
@@ -149,6 +152,9 @@ class GenerationWorker:
 
     def save_state(self) -> None:
         """Write the recycling matrix snapshot now (OSError when that fails); the driver calls it at the end."""
+        self.compute.run(self._save_state)
+
+    def _save_state(self) -> None:
         rec = self.engine.recycling if self.engine is not None else None
         if rec is not None:
             save_matrix(self.root / "state", self.slot, {k: v.numpy() for k, v in rec.state_dict().items()},
@@ -171,7 +177,8 @@ class GenerationWorker:
         ckpt = _Checkpointer(self, task["id"], len(resume), params.max_tokens)
         if self.batch is None:
             ckpt.stats = lambda: self.engine.stats
-            result = self.engine.generate(list(task["input_ids"]), params, resume_from=resume, on_step=ckpt)
+            result = self.compute.run(self.engine.generate, list(task["input_ids"]), params, resume_from=resume,
+                                      on_step=ckpt)
         else:  # one of up to `concurrency` sequences of the worker's batch (this call runs in its own actor thread)
             ckpt.stats = lambda: self.batch.stats_of(task["id"])
             result, stats = self.batch.generate(task["id"], list(task["input_ids"]), params, resume, ckpt)
