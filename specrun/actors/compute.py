@@ -2,7 +2,7 @@
 
 OpenMP (libgomp, torch's and our kernels') keeps a pool of helper threads per thread that starts parallel work; once
 pooled threads outnumber the CPUs, idle helpers sleep between parallel regions instead of spinning, and each step pays
-their wake-ups (a Ray actor loading in one thread and generating in another ran its steps at ~2/3 of the speed).
+their wake-ups (a worker that loaded in one Ray actor thread and generated in another: docs/benchmarks.md, stop 53).
 """
 
 from __future__ import annotations
