@@ -31,7 +31,7 @@ class BatchLoop:
     def __init__(self, engine, compute: ComputeThread):
         self.engine = engine
         self._compute = compute
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # the queues and _looping, between callers and the compute thread
         self._pending: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
         self._looping = False  # the loop is queued or runs on the compute thread
@@ -40,7 +40,7 @@ class BatchLoop:
         """Blocks until this request's GenerationResult (or raises its error); on_step(emitted) -> stop?
         Returns (result, its GenStats)."""
         req = _Request(key, prompt, params, resume, on_step)
-        with self._cv:
+        with self._lock:
             self._pending.append(req)
             if not self._looping:
                 self._looping = True
@@ -78,7 +78,7 @@ class BatchLoop:
     def _run(self) -> None:
         """Steps until no request is left, then gives the compute thread back (a snapshot or a load may wait)."""
         while True:
-            with self._cv:
+            with self._lock:
                 if not self._pending and not self._running:
                     self._looping = False
                     return
