@@ -7,6 +7,7 @@ Use a job (specrun.submit) for long generations: it checkpoints and resumes; a m
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 from specrun.decoding.engine import EngineConfig
@@ -17,12 +18,16 @@ OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "sta
 
 
 class _Generate:
-    """The map_batches callable class: loads the model once per actor, then generates each batch's rows at once."""
+    """The map_batches callable class: loads the model once per actor, then generates each batch's rows at once, all
+    on one thread of its own (Ray Data calls a class's __init__ and its batches on different threads: actors/compute.py)."""
 
     def __init__(self, model: str, dtype: str, device: str, drafting, sampling: SamplingParams, columns: Columns):
+        from specrun.actors.compute import ComputeThread
         from specrun.llm import LLM
 
-        self.llm = LLM(model, dtype=dtype, device=device, drafting=drafting, chat=False)  # rows read as a job reads them
+        self.compute = ComputeThread("specrun-ray-data")
+        # rows read as a job reads them
+        self.llm = self.compute.run(LLM, model, dtype=dtype, device=device, drafting=drafting, chat=False)
         self.sampling, self.columns = sampling, columns
 
     def __call__(self, batch):
@@ -34,7 +39,7 @@ class _Generate:
         # with an id, a row is a prompts-file line (its seed derived from the id as a job derives it); without, a bare
         # prompt sampled with `sampling` as is (a row's place in a batch is no identity)
         prompts = [line if "id" in line else next(v for k, v in line.items() if k != "id") for line in lines]
-        outs = self.llm.generate(prompts, self.sampling) if prompts else []
+        outs = self.compute.run(self.llm.generate, prompts, self.sampling) if prompts else []
         columns = {"generated_text": pa.array([o.text for o in outs], pa.string()),
                    "generated_token_ids": pa.array([o.token_ids for o in outs], pa.list_(pa.int64())),
                    "finish_reason": pa.array([o.finish_reason for o in outs], pa.string()),
@@ -58,10 +63,16 @@ class Processor:
 def processor(model: str = "demo", sampling: SamplingParams | None = None, *, drafting: EngineConfig | str | None = None,
               dtype: str = "auto", device: str = "cpu", prompt_column: str | None = None,
               messages_column: str | None = None, id_column: str | None = None, concurrency: int = 1,
-              batch_size: int = 16, num_gpus: float | None = None) -> Processor:
+              batch_size: int = 16, num_gpus: float | None = None, num_cpus: float | None = None) -> Processor:
     """A Processor for Dataset.map_batches: `concurrency` actors (one model and engine each; num_gpus each, default 1
-    with device cuda), `batch_size` rows generated at once per actor (the batched engine). Columns as for a Parquet
-    job (prompt, messages or input_ids; id when present)."""
+    with device cuda; num_cpus each, default with device cpu this machine's cores split between them, else 1: Ray
+    runs an actor's torch on that many threads), `batch_size` rows generated at once per actor (the batched engine).
+    Columns as for a Parquet job (prompt, messages or input_ids; id when present)."""
+    from specrun.errors import ConfigError
+
+    for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: give a whole number of 1 or more")
     columns = Columns(prompt_column, messages_column, id_column)
     columns.mapping([c for c in (prompt_column, messages_column, id_column) if c] or ["prompt"])  # checks the choice
     return Processor({
@@ -69,4 +80,6 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
                                   "sampling": sampling or SamplingParams(), "columns": columns},
         "concurrency": concurrency, "batch_size": batch_size, "batch_format": "pyarrow",
         "num_gpus": num_gpus if num_gpus is not None else (1 if device.startswith("cuda") else 0),
+        "num_cpus": num_cpus if num_cpus is not None else (
+            max(1, (os.cpu_count() or 1) // concurrency) if device == "cpu" else 1),
     })

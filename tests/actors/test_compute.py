@@ -99,3 +99,16 @@ def test_run_returns_raises_and_nests_on_the_compute_thread():
     with pytest.raises(ZeroDivisionError):
         c.run(lambda: 1 / 0)
     assert c.submit(threading.get_ident).result() == ident
+
+
+def test_ray_data_actor_loads_and_generates_on_one_thread(model, expected, torch_threads):
+    """Ray Data builds a map_batches class in the actor's thread and calls it from a thread of its own."""
+    import pyarrow as pa
+
+    from specrun.jobs.parquet_in import Columns
+    from specrun.ray_data import _Generate
+
+    (gen,), built_by = _in_threads(lambda: _Generate(model, "auto", "cpu", None, PARAMS, Columns()))
+    (table,), called_by = _in_threads(lambda: gen(pa.table({"input_ids": [[1, 2, 3]]})))
+    assert table.column("generated_token_ids").to_pylist() == [expected]
+    assert len(torch_threads) == 1 and not torch_threads & (built_by | called_by | {threading.get_ident()})

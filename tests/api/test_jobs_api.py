@@ -91,3 +91,16 @@ def test_ray_data_equals_job_outputs(model, cli_job):
         assert list(r["generated_token_ids"]) == cli_job[pid]["token_ids"]
         assert r["generated_text"] == cli_job[pid]["text"]
         assert r["finish_reason"] == cli_job[pid]["finish_reason"]
+
+
+def test_ray_data_actors_take_this_machines_cores_between_them(model):
+    """Ray runs an actor's torch on as many threads as it has CPUs: 1 by Ray Data's default, half of 2 cores idle."""
+    import os
+
+    cores = os.cpu_count() or 1
+    assert specrun.ray_data.processor(model).map_batches_kwargs["num_cpus"] == cores
+    assert specrun.ray_data.processor(model, concurrency=2).map_batches_kwargs["num_cpus"] == max(1, cores // 2)
+    assert specrun.ray_data.processor(model, num_cpus=0.5).map_batches_kwargs["num_cpus"] == 0.5
+    for bad in ({"concurrency": 0}, {"batch_size": -1}):
+        with pytest.raises(specrun.SpecrunError, match=next(iter(bad))):
+            specrun.ray_data.processor(model, **bad)
