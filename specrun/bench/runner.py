@@ -14,7 +14,8 @@ from typing import Callable
 from specrun.bench.clock import LengthClock, sync
 from specrun.bench.hf import run_hf
 from specrun.bench.llama_cpp import run_llama_cpp
-from specrun.decoding.engine import Engine, EngineConfig, resolve_drafting
+from specrun.decoding.config import resolve_drafting
+from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 
 HF_PROMPT_LOOKUP_TOKENS = 10

@@ -12,18 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
+from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters.heads import DraftHeads
-from specrun.decoding.drafters.protocol import Drafter, NGramDrafter
-from specrun.decoding.drafters.quant_draft import MAX_CHAIN, BatchedQuantDrafter, KVView, quantized_rows
+from specrun.decoding.drafters.protocol import Drafter
+from specrun.decoding.drafters.quant_draft import BatchedQuantDrafter, KVView, quantized_rows
 from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import BatchedSelfDrafter, draft_batch
-from specrun.decoding.engine import RECYCLING_K, EngineConfig, GenerationResult, make_drafter, resolve_drafting
 from specrun.decoding.forward.paged_attention import check_paged_backend
 from specrun.decoding.forward.paged_kv import SeqPages
 from specrun.decoding.forward.paged_runner import PagedRunner
 from specrun.decoding.stats import GenStats
-from specrun.decoding.step import Drafting, accept
+from specrun.decoding.step import Drafting, accept, draft, new_sequence, width_tuner
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
 from specrun.decoding.verify.trie import Trie, build_trie
@@ -87,25 +87,19 @@ class BatchEngine:
         """Start a sequence if a slot and its whole KV need are free (prefill included); False leaves nothing changed."""
         if len(self.active) >= self.batch.concurrency:
             return False
-        st = Sequence(prompt_ids, params, list(resume_from), vocab_size=self.vocab_size, eos_ids=self.lm.eos_ids,
-                      tokenizer=self.lm.tokenizer, max_context=self.lm.max_context, spare=self.config.trie_budget,
-                      device=self.lm.device)
+        st = new_sequence(self.lm, prompt_ids, params, list(resume_from), self.vocab_size, self.config.trie_budget)
         pages = self.runner.pool.admit(st.capacity)
         if pages is None:
             return False
-        drafters = [BatchedQuantDrafter() if n == "quant" else
-                    make_drafter(n, self.config, self.heads, self.runner.lm_head, self.recycling,
-                                 lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv), self.recurrent)
-                    for n in self.names]
-        quant = next((d for d in drafters if isinstance(d, BatchedQuantDrafter)), None)
-        ngram = next((d for d in drafters if isinstance(d, NGramDrafter)), None)
-        if quant is not None and ngram is not None and ngram.topk:
-            quant.copy = ngram.copy  # where the copy drafts, it leads
+        drafters = build_drafters(self.names, self.config, self.heads, self.runner.lm_head, self.recycling,
+                                  self.recurrent, lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv),
+                                  BatchedQuantDrafter)
         known = st.known
         for d in drafters:
             d.start(known)
         a = _Active(key, st, pages, drafters, GenStats(tuple(self.names)),
-                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None), quant,
+                    next((d for d in drafters if isinstance(d, BatchedSelfDrafter)), None),
+                    next((d for d in drafters if isinstance(d, BatchedQuantDrafter)), None),
                     shadow=Shadow() if self._shadowing else None)
         if not st.finished():
             with a.stats.time("prefill"):
@@ -132,11 +126,8 @@ class BatchEngine:
                 quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
             full = self.config.trie_budget
             for a in live:
-                shadowing = a.shadow is not None and budget < full and a.shadow.due()  # what a full trie would accept
-                drafts = self._draft(a, full if shadowing else budget)
-                a.trie = build_trie(a.st.root, drafts, budget, self.lm.device)  # a full trie's first `budget` nodes
-                if shadowing:
-                    a.shadow.take(build_trie(a.st.root, drafts, full, self.lm.device), len(a.st.out))
+                drafts = draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device)
+                a.trie = build_trie(a.st.root, drafts, budget, self.lm.device)
             t_draft = time.perf_counter() - t
             t = time.perf_counter()
             hidden, logits = self._verify(live)
@@ -187,10 +178,8 @@ class BatchEngine:
     def _tuner(self, n: int) -> WidthTuner | None:
         if not self.names or not self.config.adaptive_budget:
             return None
-        if n not in self._tuners:  # the 4-bit chain's tuner as the solo engine's (a forward a drafted token)
-            chain = self.quant is not None
-            self._tuners[n] = WidthTuner(self.config.trie_budget, narrow_bounds=not chain,
-                                          chain=MAX_CHAIN + 1 if chain else 0)
+        if n not in self._tuners:  # the 4-bit chain's tuner as the solo engine's sampled one
+            self._tuners[n] = width_tuner(self.config.trie_budget, self.quant is not None)
         return self._tuners[n]
 
     def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, BatchedQuantDrafter, object] | None:
@@ -201,11 +190,6 @@ class BatchEngine:
         if ctx is None or not a.quant.wants(ctx):
             return None
         return KVView(*view, a.pages.length), a.quant, ctx
-
-    def _draft(self, a: _Active, budget: int) -> list:
-        if budget <= 1:  # a width of 1 verifies the root alone: drafting would be wasted
-            return []
-        return self.drafting.propose(a.drafters, a.st.draft_context(budget, bool(self.drafting.coupled)))
 
     def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""

@@ -1,5 +1,6 @@
-"""The per-sequence parts of a decoding step, one copy for every engine: propose (drafters asked in drafting order,
-merged in priority order) and accept (choose, walk, stop rules, commit, advance, update drafters, record).
+"""The per-sequence parts of a decoding step, one copy for every engine: a sequence and its tuner made, propose
+(drafters asked in drafting order, merged in priority order, a shadow's full-width draft where one is due) and accept
+(choose, walk, stop rules, commit, advance, update drafters, record).
 
 The engines own the rest: admission, the width, the verify forward and their KV layout (anything with commit(path)).
 """
@@ -9,9 +10,26 @@ from __future__ import annotations
 import torch
 
 from specrun.decoding.drafters.protocol import MERGE_PRIORITY, NOISE_COUPLED, Drafter, Verified
+from specrun.decoding.drafters.quant_draft import MAX_CHAIN
 from specrun.decoding.stats import GenStats
+from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
-from specrun.decoding.verify.trie import Draft, DraftContext, Trie, merge_drafts, record_sampled, walk
+from specrun.decoding.verify.trie import Draft, DraftContext, Trie, build_trie, merge_drafts, record_sampled, walk
+from specrun.decoding.width.shadow import Shadow
+from specrun.decoding.width.tuner import WidthTuner
+
+
+def new_sequence(lm, prompt_ids: list[int], params: SamplingParams, resumed: list[int], vocab_size: int,
+                 spare: int) -> Sequence:
+    """A sequence of lm's (its EOS ids, tokenizer, context and device) with room for `spare` rows of a verify."""
+    return Sequence(prompt_ids, params, resumed, vocab_size=vocab_size, eos_ids=lm.eos_ids, tokenizer=lm.tokenizer,
+                    max_context=lm.max_context, spare=spare, device=lm.device)
+
+
+def width_tuner(max_width: int, quant: bool, greedy: bool = False) -> WidthTuner:
+    """The width tuner of an engine; quant: the 4-bit self-draft runs, whose chain leads every trie at a forward a
+    token (sampled, it always drafts: the chain tuner; greedy, the n-gram copy drafts where it can)."""
+    return WidthTuner(max_width, narrow_bounds=not quant, chain=MAX_CHAIN + 1 if quant and not greedy else 0)
 
 
 class Drafting:
@@ -35,6 +53,19 @@ class Drafting:
                 and len(merge_drafts(ctx.root, ahead, ctx.budget)[0]) >= ctx.budget
             proposals[i] = [] if full else drafter.propose(ctx, i)
         return [d for i in self.order for d in proposals[i]]
+
+
+def draft(drafting: Drafting, drafters: list[Drafter], st: Sequence, budget: int, full: int, shadow: Shadow | None,
+          device) -> list[Draft]:
+    """This step's drafts for a trie of `budget` nodes (none at width 1: it verifies the root alone). Where a shadow is
+    due at a narrower step they fill a full-width trie, which the shadow keeps; the verified trie is its first nodes."""
+    shadowing = shadow is not None and budget < full and shadow.due()
+    if budget <= 1 and not shadowing:
+        return []
+    drafts = drafting.propose(drafters, st.draft_context(full if shadowing else budget, bool(drafting.coupled)))
+    if shadowing:
+        shadow.take(build_trie(st.root, drafts, full, device), len(st.out))
+    return drafts
 
 
 def accept(st: Sequence, trie: Trie, logits: torch.Tensor, hidden: torch.Tensor, kv, drafters: list[Drafter],

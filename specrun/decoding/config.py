@@ -1,0 +1,144 @@
+"""What an engine is built from: EngineConfig (drafting, width, attention; fixed per job like the model), the drafters
+it resolves to for a model, each sequence's drafters, and the GenerationResult every engine returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specrun.decoding.drafters.heads import DraftHeads, load_heads
+from specrun.decoding.drafters.partial_kv import PartialKV
+from specrun.decoding.drafters.protocol import (
+    AUTO_DRAFTERS,
+    DRAFTER_NAMES,
+    NEEDS_DRAFTER,
+    NEEDS_HEADS,
+    NEEDS_QUANT,
+    Drafter,
+    NGramDrafter,
+    RecyclingDrafter,
+)
+from specrun.decoding.drafters.quant_draft import quantized, quantized_rows
+from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDrafter
+from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_drafter
+from specrun.decoding.drafters.recycling import RecyclingMatrix
+from specrun.decoding.drafters.self_draft import FusedDrafter, TreeTemplate
+from specrun.decoding.forward.attention import check_backend
+from specrun.decoding.forward.decoder import FusedDecoder
+
+RECYCLING_K = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    drafters: tuple[str, ...] | None = None  # None = auto (AUTO_DRAFTERS that can run); () = plain AR
+    trie_budget: int = 64  # most nodes per verify; with adaptive_budget the engine picks the best width up to it
+    adaptive_budget: bool = True
+    ngram_topk: int = 20
+    prefill_chunk: int = 256
+    heads_path: str | None = None  # trained draft heads (specrun train-heads); enables the "heads" drafter
+    drafter_path: str | None = "auto"  # recurrent drafter dir (specrun train-drafter); auto = the one shipped for the
+    # model if any; None = none
+    tree: tuple[int, ...] = (1, 3, 3, 3)  # self-draft candidates: top-k of l_0, l_1, l_2, l_3 (Cartesian)
+    kv_mode: str = "dynamic"  # cache the self-draft forward reads: full | partial | dynamic
+    kv_budget: int = 4096
+    kv_sinks: int = 16
+    attention: str = "sdpa"  # attention backend (decoding/forward/attention.py BACKENDS); fixed per job like the model
+    step_graphs: str = "auto"  # width-1 steps by static_step.py: on (CUDA graphs on CUDA, its eager twin elsewhere),
+    # off, or auto (on where CUDA graphs run)
+    compile_layers: bool = False  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py),
+    # compiled when the engine starts
+
+    def __post_init__(self):
+        names = self.drafters if self.drafters is not None else ()
+        unknown = [d for d in names if d not in DRAFTER_NAMES]
+        if unknown:
+            raise ValueError(f"unknown drafter {unknown[0]!r}; choose from {', '.join(DRAFTER_NAMES)} or none")
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter listed twice in {','.join(names)}")
+        for name, value, low in (("trie_budget", self.trie_budget, 1), ("ngram_topk", self.ngram_topk, 0),
+                                 ("prefill_chunk", self.prefill_chunk, 1), ("kv_budget", self.kv_budget, 1)):
+            if value < low:
+                raise ValueError(f"{name}={value} must be >= {low}")
+        PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
+        check_backend(self.attention)
+        if self.step_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"step_graphs={self.step_graphs!r}; choose from auto, on, off")
+        TreeTemplate(self.tree)  # validates the tree spec
+
+    @property
+    def wants_quant(self) -> bool:
+        """A drafter of the model's 4-bit copy is asked for, or may be chosen (auto)."""
+        return self.drafters is None or bool(set(NEEDS_QUANT) & set(self.drafters))
+
+    def active_drafters(self, have_heads: bool, have_drafter: bool = False, can_quantize: bool = False
+                        ) -> tuple[str, ...]:
+        if self.drafters is None:
+            return tuple(n for n in AUTO_DRAFTERS if (have_heads or n not in NEEDS_HEADS)
+                         and (have_drafter or n not in NEEDS_DRAFTER) and (can_quantize or n not in NEEDS_QUANT))
+        for name in self.drafters:
+            if name in NEEDS_QUANT and not can_quantize:
+                raise ValueError(f"drafter {name!r} runs the model's 4-bit copy: it needs a model on the CPU whose "
+                                 f"linear layers take inputs in groups of 32 (a batched worker: one KV page a sequence)")
+            if name in NEEDS_HEADS and not have_heads:
+                raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
+            if name in NEEDS_DRAFTER and not have_drafter:
+                why = "--drafter none was given" if self.drafter_path is None else "none ships for this model"
+                raise ValueError(f"drafter {name!r} needs a trained recurrent drafter (--drafter DIR, see specrun "
+                                 f"train-drafter); {why}")
+        return tuple(n for n in DRAFTER_NAMES if n in self.drafters)  # fixed drafting order
+
+    def recurrent_weights(self, lm) -> DraftWeights | None:
+        """The recurrent drafter's weights for lm: drafter_path, or the shipped one for lm (auto), or None."""
+        if self.drafter_path is None or (self.drafters is not None and not set(NEEDS_DRAFTER) & set(self.drafters)):
+            return None
+        path = builtin_drafter(lm) if self.drafter_path == "auto" else self.drafter_path
+        if path is None:
+            return None
+        model = lm.model
+        return DraftWeights(load_drafter(path, lm), model.get_input_embeddings(), model.get_output_embeddings())
+
+
+def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: bool = True, whole_pages: bool = False
+                     ) -> tuple[DraftHeads | None, DraftWeights | None, tuple[str, ...]]:
+    """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path.
+    solo: a solo engine, else a batched one, whose 4-bit self-draft runs where each sequence's K/V is one page
+    (whole_pages: the CPU's layout)."""
+    heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
+    recurrent = config.recurrent_weights(lm)
+    dec = FusedDecoder.of(lm.model)
+    can_quantize = config.wants_quant and (quantized(dec) is not None and config.attention == "sdpa" if solo
+                                     else whole_pages and quantized_rows(dec) is not None)
+    return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
+
+
+def build_drafters(names: tuple[str, ...], config: EngineConfig, heads: DraftHeads | None, lm_head,
+                   recycling: RecyclingMatrix | None, recurrent: DraftWeights | None,
+                   self_drafter: Callable[[PartialKV], Drafter], quant_drafter: Callable[[], Drafter]) -> list[Drafter]:
+    """One sequence's drafters, in drafting order; self_drafter(partial cache) and quant_drafter() build the engine's
+    own kinds of self-drafter and 4-bit self-drafter. The 4-bit chain gives way to the n-gram copy where that drafts."""
+    def make(name: str) -> Drafter:
+        if name == "quant":
+            return quant_drafter()
+        if name == "heads":
+            return self_drafter(PartialKV(config.kv_mode, config.kv_budget, config.kv_sinks))
+        if name == "fused":
+            return FusedDrafter(heads, lm_head, config.tree)
+        if name == "recurrent":
+            return RecurrentDrafter(recurrent)
+        return NGramDrafter(config.ngram_topk) if name == "ngram" else RecyclingDrafter(recycling)
+
+    drafters = [make(n) for n in names]
+    quant = next((d for d in drafters if d.name == "quant"), None)
+    ngram = next((d for d in drafters if isinstance(d, NGramDrafter)), None)
+    if quant is not None and ngram is not None and ngram.topk:
+        quant.copy = ngram.copy  # where the copy drafts, it leads
+    return drafters
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # every generated token, resumed ones included
+    finish_reason: str  # "eos" | "stop" (a stop string or stop token) | "length" | "stopped" (interrupted)
+    stats: dict = field(default_factory=dict)
