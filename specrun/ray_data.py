@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
+from specrun.errors import ConfigError
 from specrun.jobs.parquet_in import Columns, row_object
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "stats")
@@ -19,7 +20,8 @@ OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "sta
 
 class _Generate:
     """The map_batches callable class: loads the model once per actor, then generates each batch's rows at once, all
-    on one thread of its own (Ray Data calls a class's __init__ and its batches on different threads: actors/compute.py)."""
+    on one thread of its own (Ray Data calls a class's __init__ and its batches on different threads:
+    actors/compute.py)."""
 
     def __init__(self, model: str, dtype: str, device: str, drafting, sampling: SamplingParams, columns: Columns):
         from specrun.actors.compute import ComputeThread
@@ -68,10 +70,8 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
     with device cuda; num_cpus each, default with device cpu this machine's cores split between them, else 1: Ray
     runs an actor's torch on that many threads), `batch_size` rows generated at once per actor (the batched engine).
     Columns as for a Parquet job (prompt, messages or input_ids; id when present)."""
-    from specrun.errors import ConfigError
-
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r}: give a whole number of 1 or more")
     columns = Columns(prompt_column, messages_column, id_column)
     columns.mapping([c for c in (prompt_column, messages_column, id_column) if c] or ["prompt"])  # checks the choice
