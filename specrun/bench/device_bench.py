@@ -128,20 +128,25 @@ def decode_rates(lm: LoadedModel, contexts: list[int], steps: int, bandwidth: fl
 
 
 def verify_costs(lm: LoadedModel, context: int, widths: list[int], steps: int) -> list[dict]:
-    """A verify forward of `width` rows (causal among themselves) after `context` keys, and its cost over width 1's."""
+    """A verify forward of `width` rows (causal among themselves) after `context` keys, eager and by the static step
+    (CUDA graphs on CUDA), and each one's cost over its own width 1."""
     dev = lm.device
     runner = ModelRunner(lm, max_rows=max(widths))
     runner.reset(context + max(widths))
     runner.cache.length = context
+    static = StaticStep(runner)
     out = []
     for w in widths:
         tokens = torch.ones(w, dtype=torch.long, device=dev)
         pos = torch.arange(context, context + w, device=dev)
         mask = torch.ones((w, w), dtype=torch.bool, device=dev).tril_()
         s = _timed(lambda: int(runner.logits(runner.forward(tokens, pos, mask)).argmax(dim=-1)[-1]), steps, dev)
-        out.append({"width": w, "ms": s * 1e3})
+        g = _timed(lambda: int(runner.logits(static.forward(tokens, pos, mask)).argmax(dim=-1)[-1]), steps, dev)
+        out.append({"context": context, "width": w, "ms": s * 1e3, "static_ms": g * 1e3})
     for row in out:
         row["vs_width_1"] = row["ms"] / out[0]["ms"]
+        row["static_vs_width_1"] = row["static_ms"] / out[0]["static_ms"]
+    runner.cache = None
     return out
 
 
@@ -156,13 +161,14 @@ def _prompts(lm: LoadedModel, n: int, length: int) -> list[list[int]]:
 
 
 def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict]:
-    """The solo engine end to end (greedy, EOS ignored; the prompt's prefill inside the timed run): AR eager, AR with
-    static steps, n-gram + recycling drafts."""
+    """The solo engine end to end (greedy, EOS ignored; the prompt's prefill inside the timed run): AR and n-gram +
+    recycling drafts, each with eager forwards and with the static step's (CUDA graphs on CUDA)."""
     prompt = _prompts(lm, 1, prompt_len)[0]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     runs = {"ar_eager": EngineConfig(drafters=(), step_graphs="off"),
             "ar_static": EngineConfig(drafters=(), step_graphs="on"),
-            "spec": EngineConfig(drafters=("ngram", "recycling"))}
+            "spec_eager": EngineConfig(drafters=("ngram", "recycling"), step_graphs="off"),
+            "spec": EngineConfig(drafters=("ngram", "recycling"), step_graphs="on")}
     out, ref = [], None
     for name, cfg in runs.items():
         engine = Engine(lm, cfg)

@@ -200,8 +200,8 @@ def bench_model(check: Check, name: str, spec: dict, plan: dict, device: str, ha
     if "decode" in todo:
         check.step(f"{name}/decode", lambda: db.decode_rates(lm, spec["contexts"], plan["steps"], bw), need=15)
     if "verify" in todo:
-        check.step(f"{name}/verify", lambda: db.verify_costs(lm, 1024 if device == "cuda" else 64, plan["widths"],
-                                                            plan["steps"]), need=10)
+        check.step(f"{name}/verify", lambda: [row for c in spec["contexts"] for row in db.verify_costs(
+            lm, c, plan["widths"] if c == spec["contexts"][0] else plan["widths"][::2], plan["steps"])], need=10)
     if "engine" in todo:
         check.step(f"{name}/engine", lambda: db.engine_rates(lm, plan["engine_prompt"], plan["engine_tokens"]), need=20)
     if "batch" in todo:

@@ -45,8 +45,8 @@ class EngineConfig:
     kv_budget: int = 4096
     kv_sinks: int = 16
     attention: str = "sdpa"  # attention backend (decoding/forward/attention.py BACKENDS); fixed per job like the model
-    step_graphs: str = "auto"  # width-1 steps by static_step.py: on (CUDA graphs on CUDA, its eager twin elsewhere),
-    # off, or auto (on where CUDA graphs run)
+    step_graphs: str = "auto"  # verify forwards of up to 64 rows by static_step.py: on (CUDA graphs on CUDA, its
+    # eager twin elsewhere), off, or auto (on where CUDA graphs run)
     compile_layers: bool = False  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py),
     # compiled when the engine starts
 

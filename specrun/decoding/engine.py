@@ -48,7 +48,7 @@ class Engine:
             lambda: QuantDrafter(self.runner, quantized(self.runner.decoder, config.compile_layers)))
         self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
-        # width-1 steps by the static step, but where the self-draft reads each forward's queries
+        # verify forwards by the static step (up to its largest row bucket), but where the self-draft reads queries
         graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
         self.static = StaticStep(self.runner) if graphs and not self._capture else None
         self.drafting = Drafting(names)
@@ -126,8 +126,8 @@ class Engine:
     def _verify(self, st: Sequence, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
         positions = trie.depths + (st.n - 1)
-        if trie.size == 1 and self.static is not None:
-            hidden = self.static.forward(trie.tokens, positions)
+        if self.static is not None:
+            hidden = self.static.forward(trie.tokens, positions, trie.ancestors)
             return hidden, self.runner.logits(hidden)
         hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
         return hidden, self.runner.logits(hidden)

@@ -32,9 +32,13 @@ def test_dry_run_writes_every_step(tmp_path):
     decode = steps[f"{shapes[0]}/decode"]["result"]
     assert [row["context"] for row in decode] == gpu_check.PLANS["cpu"]["models"][shapes[0]]["contexts"]
     assert all(row["eager_ms"] > 0 and row["static_ms"] > 0 and 0 < row["eager_roofline_share"] for row in decode)
-    assert [r["width"] for r in steps[f"{shapes[0]}/verify"]["result"]] == gpu_check.PLANS["cpu"]["widths"]
+    verify, widths = steps[f"{shapes[0]}/verify"]["result"], gpu_check.PLANS["cpu"]["widths"]
+    first, *later = gpu_check.PLANS["cpu"]["models"][shapes[0]]["contexts"]
+    assert [(r["context"], r["width"]) for r in verify] == [(first, w) for w in widths] + [
+        (c, w) for c in later for w in widths[::2]]
+    assert all(r["ms"] > 0 and r["static_ms"] > 0 for r in verify)
     engine = {r["name"]: r for r in steps[f"{shapes[0]}/engine"]["result"]}
-    assert engine["ar_static"]["equal_to_ar_eager"] and engine["spec"]["equal_to_ar_eager"]  # float32 on CPU: exact
+    assert all(engine[n]["equal_to_ar_eager"] for n in ("ar_static", "spec_eager", "spec"))  # float32 on CPU: exact
     batch = steps[f"{shapes[0]}/batch"]["result"]
     assert {(r["concurrency"], r["name"]) for r in batch} == {(c, n) for c in gpu_check.PLANS["cpu"]["levels"]
                                                               for n in ("ar", "spec")}
