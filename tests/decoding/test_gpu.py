@@ -58,6 +58,17 @@ def test_split_buckets_attend_as_one_pass(load_fixture, device, monkeypatch):
     assert engine.generate(prompt, SAMPLED).token_ids == ref and engine.static.calls == SAMPLED.max_tokens
 
 
+def _cuda_like(chunks):
+    """_chunks_lse answering as CUDA's efficient kernel does where a row sees no key of a chunk: lse 0, output 0."""
+
+    def kernel(q, k, v, bias, scale):
+        o, lse = chunks(q, k, v, bias, scale)
+        blind = torch.isinf(bias).all(dim=-1).expand(lse.shape)  # [N, Hkv, M]
+        return o.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, 0.0)
+
+    return kernel
+
+
 @pytest.mark.parametrize("kernel", ["own", "lse 0 for masked chunks"])
 def test_split_bucket_hidden_state_is_the_eager_one(load_fixture, monkeypatch, kernel):
     """float64, slot 2,100 of a 4,096 bucket in 16 chunks of 256 (the last 7 see nothing): the static step's hidden
@@ -67,14 +78,7 @@ def test_split_bucket_hidden_state_is_the_eager_one(load_fixture, monkeypatch, k
     from specrun.decoding.forward.runner import ModelRunner
 
     if kernel != "own":
-        chunks = static_step._chunks_lse
-
-        def cuda_like(q, k, v, bias, scale):
-            o, lse = chunks(q, k, v, bias, scale)
-            blind = torch.isinf(bias).all(dim=-1)  # [N, 1, 1]
-            return o.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, 0.0)
-
-        monkeypatch.setattr(static_step, "_chunks_lse", cuda_like)
+        monkeypatch.setattr(static_step, "_chunks_lse", _cuda_like(static_step._chunks_lse))
     lm = load_fixture("llama_gqa", dtype="float64")
     runner = ModelRunner(lm, max_rows=256)
     runner.reset(4096)
@@ -96,35 +100,41 @@ def _random_trie(T: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("split", [False, True], ids=["one pass", "split"])
+@pytest.mark.parametrize("split", ["one pass", "split", "split, lse 0 for blind chunks"])
 def test_static_trie_forward_is_the_runners(load_fixture, monkeypatch, device, split):
-    """Tries of 1-64 rows padded to their row bucket, at slots whose bucket and chunks vary: the hidden states and the
-    K/V written are the runner's (float64, to 1e-10); a trie of more rows than the largest bucket is the runner's."""
+    """Tries of 1-70 rows padded to their row bucket, at slots whose bucket and chunks vary (tries across a chunk edge:
+    rows that see no key of a chunk): the hidden states and the K/V written are the runner's (float64, to 1e-10); a
+    trie of more rows than the largest bucket is the runner's."""
     from specrun.decoding.forward import static_step
     from specrun.decoding.forward.runner import ModelRunner
 
-    if split:
+    if split != "one pass":
         monkeypatch.setattr(static_step, "SPLIT_FROM", MIN_BUCKET)
-        monkeypatch.setattr(static_step, "MIN_CHUNKS", 2)
+        monkeypatch.setattr(static_step, "MIN_CHUNKS", 2)  # chunks of 256 slots
+    if split.endswith("blind chunks"):
+        monkeypatch.setattr(static_step, "_chunks_lse", _cuda_like(static_step._chunks_lse))
     lm = load_fixture("llama_gqa", dtype="float64", device=device)
     gen = torch.Generator().manual_seed(1)
     runner = ModelRunner(lm, max_rows=256)
     runner.reset(1024)
-    runner.prefill(torch.randint(0, 200, (255,), generator=gen).to(device), 64)  # the second trie at slot 256: a chunk edge
+    runner.prefill(torch.randint(0, 200, (300,), generator=gen).to(device), 64)
     static = static_step.StaticStep(runner)
-    for T in (1, 3, 8, 13, 64, 40, 70):  # 40 after 64: a bucket filled by a larger trie before
+    # (first slot, rows): across the edge at 256, on it, a trie of 40 in a bucket a trie of 64 filled before, 70 rows
+    for start, T in ((1, 1), (250, 13), (240, 30), (256, 3), (200, 64), (230, 40), (255, 1), (100, 70)):
+        runner.cache.length = start
         tokens = torch.randint(0, 200, (T,), generator=gen).to(device)
         tree = _random_trie(T, gen).to(device)
-        positions = runner.cache.length + tree.sum(dim=1).to(device) - 1
-        start = runner.cache.length
+        positions = start + tree.sum(dim=1).to(device) - 1
         eager = runner.forward(tokens, positions, tree)
-        k = runner.cache.k[:, :, start : start + T].clone()
+        k, v = (c[:, :, start : start + T].clone() for c in (runner.cache.k, runner.cache.v))
         runner.cache.k[:, :, start:] = 0
+        runner.cache.v[:, :, start:] = 0
         hidden = static.forward(tokens, positions, tree)
-        assert hidden.shape == eager.shape and (hidden - eager).abs().max() < 1e-10, T
-        assert (runner.cache.k[:, :, start : start + T] - k).abs().max() < 1e-10, T
-        runner.cache.append(min(T, 25))  # a few rows committed: the next trie starts further on
-    assert static.calls == 6  # every trie but the one of 70 rows
+        assert hidden.shape == eager.shape and (hidden - eager).abs().max() < 1e-10, (start, T)
+        assert (runner.cache.k[:, :, start : start + T] - k).abs().max() < 1e-10, (start, T)
+        assert (runner.cache.v[:, :, start : start + T] - v).abs().max() < 1e-10, (start, T)
+        runner.prefill(torch.randint(0, 200, (300 - start,), generator=gen).to(device), 64)  # past start: K/V again
+    assert static.calls == 7  # every trie but the one of 70 rows
 
 
 def test_spec_steps_take_the_static_step(load_fixture):
