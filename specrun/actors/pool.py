@@ -16,6 +16,10 @@ from specrun.actors.worker import GenerationWorker, WorkerSpec
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 CPUS_PER_ACTOR = 1
+# glibc's malloc gives threads arenas of their own (up to 8 a core): in a worker, Ray's threads and torch's each kept
+# freed temporaries of long-context steps, and its RSS grew by hundreds of MB over a long generation
+# (docs/benchmarks.md, "Stop 55"); the driver's own MALLOC_ARENA_MAX wins
+MALLOC_ARENAS = "2"
 
 
 def _probe(address: str, timeout_s: float) -> None:
@@ -76,10 +80,16 @@ def start_worker(spec: WorkerSpec, slot: int, gpus_per_actor: float):
     generate runs."""
     import ray
 
-    opts = {"max_concurrency": spec.concurrency + 1, "max_restarts": 0, "num_cpus": CPUS_PER_ACTOR}
+    opts = {"max_concurrency": spec.concurrency + 1, "max_restarts": 0, "num_cpus": CPUS_PER_ACTOR,
+            "runtime_env": {"env_vars": worker_env()}}
     if gpus_per_actor > 0:
         opts["num_gpus"] = gpus_per_actor
     return ray.remote(GenerationWorker).options(**opts).remote(spec, slot, False)
+
+
+def worker_env() -> dict[str, str]:
+    """Environment variables a worker process starts with (merged by Ray with the job's)."""
+    return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)}
 
 
 def _num(x: float) -> str:

@@ -332,6 +332,33 @@ def test_an_actor_that_cannot_be_placed_fails_within_the_deadline(tmp_path, mode
     assert not job.lock_path.exists()
 
 
+@pytest.mark.parametrize("driver_value", [None, "5"])
+def test_workers_start_with_few_malloc_arenas(tmp_path, model, monkeypatch, driver_value):
+    """A worker process starts with MALLOC_ARENA_MAX (glibc reads it only then): 2, or the driver's own value."""
+    if driver_value is None:
+        monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    else:
+        monkeypatch.setenv("MALLOC_ARENA_MAX", driver_value)
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "arenas"}], max_tokens=96, ignore_eos=True)
+    seen = []
+
+    def read_worker_env():
+        live = job.root / "live" / f"{job.progress_dir('a').name}.json"
+        while not seen:
+            try:
+                environ = Path(f"/proc/{json.loads(live.read_text())['pid']}/environ").read_bytes().split(b"\0")
+                seen.append(next((e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"MALLOC_ARENA_MAX=")),
+                                 "unset"))
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.01)
+
+    reader = threading.Thread(target=read_worker_env, daemon=True)
+    reader.start()
+    assert run_job(job, QUIET).exit_code == 0
+    reader.join(timeout=5)
+    assert seen == [driver_value or "2"]
+
+
 def test_a_lost_worker_whose_replacement_cannot_be_placed_fails_resumably(tmp_path, model, monkeypatch):
     """The worker process dies mid-prompt; its replacement needs a GPU the cluster lacks (as when the lost node was
     the only one with the resource): the run ends with an error naming it, and a resume finishes identically."""
