@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from specrun.actors.pool import worker_env
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.errors import ConfigError
@@ -82,4 +83,5 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
         "num_gpus": num_gpus if num_gpus is not None else (1 if device.startswith("cuda") else 0),
         "num_cpus": num_cpus if num_cpus is not None else (
             max(1, (os.cpu_count() or 1) // concurrency) if device == "cpu" else 1),
+        "runtime_env": {"env_vars": worker_env()},  # the job workers' malloc arenas (actors/pool.py)
     })

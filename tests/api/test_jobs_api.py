@@ -101,6 +101,8 @@ def test_ray_data_actors_take_this_machines_cores_between_them(model):
     assert specrun.ray_data.processor(model).map_batches_kwargs["num_cpus"] == cores
     assert specrun.ray_data.processor(model, concurrency=2).map_batches_kwargs["num_cpus"] == max(1, cores // 2)
     assert specrun.ray_data.processor(model, num_cpus=0.5).map_batches_kwargs["num_cpus"] == 0.5
+    env = specrun.ray_data.processor(model).map_batches_kwargs["runtime_env"]["env_vars"]
+    assert env["MALLOC_ARENA_MAX"] == os.environ.get("MALLOC_ARENA_MAX", "2")  # as job workers start
     for bad in ({"concurrency": 0}, {"batch_size": -1}, {"concurrency": True}):
         with pytest.raises(specrun.SpecrunError, match=next(iter(bad))):
             specrun.ray_data.processor(model, **bad)
