@@ -17,8 +17,7 @@ from specrun.actors.worker import GenerationWorker, WorkerSpec
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 CPUS_PER_ACTOR = 1
 # glibc's malloc gives threads arenas of their own (up to 8 a core): in a worker, Ray's threads and torch's each kept
-# freed temporaries of long-context steps, and its RSS grew by hundreds of MB over a long generation
-# (docs/benchmarks.md, "Stop 55"); the driver's own MALLOC_ARENA_MAX wins
+# freed temporaries of long-context steps in theirs (docs/benchmarks.md, "Stop 55"); the driver's own value wins
 MALLOC_ARENAS = "2"
 
 

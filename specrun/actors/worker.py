@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from specrun.actors.batch_loop import BatchLoop
 from specrun.actors.compute import ComputeThread
+from specrun.actors.heap import trim_heap
 from specrun.decoding.stats import rss_mb
 from specrun.storage.atomic import read_json
 from specrun.storage.chunks import write_chunk
@@ -228,6 +229,7 @@ class _Checkpointer:
         checkpoint = len(self.buf) >= self.due or (
             bool(self.buf) and now - self.last_ckpt >= self.w.spec.checkpoint_seconds)
         if checkpoint:
+            trim_heap()  # the heap's free pages back to the OS, before the timeline row reads the RSS
             if not self._write(self.buf):
                 self.due = len(self.buf) + self.w.spec.checkpoint_every
             self.snapshot()
@@ -257,8 +259,7 @@ class _Checkpointer:
         if not self.best_effort("checkpoint", write_chunk, self.progress, self.start, tokens):
             return False
         self._row(self.start, self.start + len(tokens))
-        self.start += len(tokens)
-        self.buf = []
+        self.start, self.buf = self.start + len(tokens), []
         self.due = self.w.spec.checkpoint_every
         return True
 
@@ -290,8 +291,7 @@ class _Checkpointer:
         if not force and now - self.last_live < LIVE_EVERY_S:
             return
         self.last_live = now
-        new = self.start + len(self.buf) - self.resumed
-        elapsed = now - self.t0
+        new, elapsed = self.start + len(self.buf) - self.resumed, now - self.t0
         self.best_effort("live status", self.w.records.write_live, self.id, {
             "tokens": self.start + len(self.buf), "checkpointed": self.start, "max_tokens": self.max_tokens,
             "tokens_per_s": new / elapsed if elapsed > 0 else 0.0,

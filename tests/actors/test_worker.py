@@ -127,3 +127,15 @@ def test_worker_refuses_a_job_directory_other_than_the_drivers(model, tmp_path):
     with pytest.raises(ValueError, match="does not see the driver's job directory"):
         GenerationWorker(spec, slot=0)
     GenerationWorker(dataclasses.replace(spec, job_created_at=1.5), slot=0)
+
+
+def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch):
+    """The C heap's free pages go back to the OS at every checkpoint (actors/heap.py), not at every step."""
+    import specrun.actors.worker as worker
+
+    trims = []
+    monkeypatch.setattr(worker, "trim_heap", lambda: trims.append(1))
+    w = GenerationWorker(_spec(model, tmp_path, checkpoint_every=16, checkpoint_seconds=1000), slot=0)
+    assert w.generate(_task())["token_ids"] == reference
+    chunks = list((tmp_path / "progress" / id_key("p/1")).iterdir())
+    assert len(trims) == len(chunks) > 1
