@@ -18,9 +18,10 @@ import torch._dynamo.config
 import torch._inductor.config
 import torch.nn.functional as F
 
+from specrun.decoding.forward.decoder import ROW_BUCKETS as BUCKETS  # row counts compiled; more rows run eagerly
 from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
+from specrun.decoding.forward.decoder import rows_bucket as bucket_of
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts compiled; a forward of more rows runs eagerly
 OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template, one K slice (the order of a row's sum
     # then does not depend on the rows beside it)
     "freezing": True,
@@ -111,11 +112,6 @@ def announce_compile(rows: int) -> None:
     """Progress on stderr: a bucket's compile takes a minute or more on a small model, two CPU threads."""
     print(f"specrun: compiling the layers for {rows} row(s) a forward (torch.compile, once per process)",
           file=sys.stderr, flush=True)
-
-
-def bucket_of(rows: int) -> int | None:
-    """The smallest bucket holding `rows` rows, None past the largest."""
-    return next((b for b in BUCKETS if b >= rows), None)
 
 
 class _NoAttention:

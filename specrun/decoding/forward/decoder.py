@@ -26,6 +26,13 @@ _REFUSED = (
     ("logits_scaling", lambda v: v is not None and v != 1.0),
 )
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts of the fixed-shape forwards (static_step.py, compiled.py)
+
+
+def rows_bucket(rows: int) -> int | None:
+    """The smallest row bucket holding `rows` rows, None above the largest."""
+    return next((w for w in ROW_BUCKETS if w >= rows), None)
+
 
 # rope types whose frequencies depend on the sequence length a forward sees (HF's dynamic_rope_update): a position's
 # rotary would depend on how many rows a forward carries or where a resume started (drafted or resumed != AR)

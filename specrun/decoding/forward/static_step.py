@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from specrun.decoding.forward.attention import attend_lse
+from specrun.decoding.forward.decoder import rows_bucket
 from specrun.decoding.forward.runner import SLOT_BLOCK, ModelRunner
 
 MIN_BUCKET = 256  # slots attended by the smallest bucket; buckets double up to the cache's capacity
 SPLIT_FROM = 4096  # buckets this long attend in chunks (split-KV), merged by log-sum-exp
 MIN_CHUNKS = 64  # chunks a split bucket keeps where it can (a 4,096-slot bucket: 16 of SLOT_BLOCK); 64 with 8 KV
 # heads make 512 blocks of work for the GPU
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows of a static forward; a trie of more rows takes the runner's forward
 WARMUP = 2  # eager runs on a side stream before a capture (torch's rule: lazy initialisations happen outside it)
 
 
@@ -28,11 +28,6 @@ def bucket_of(slots: int, capacity: int) -> int:
     while b < slots:
         b *= 2
     return min(b, capacity)
-
-
-def rows_bucket(rows: int) -> int | None:
-    """The smallest row bucket holding `rows` rows, None above the largest."""
-    return next((w for w in ROW_BUCKETS if w >= rows), None)
 
 
 def chunk_size(bucket: int) -> int:
@@ -164,7 +159,7 @@ class StaticStep:
             raise RuntimeError(f"KV cache overflow: need {slot + T} slots, have {cache.capacity}")
         W = rows_bucket(T)
         if W is None or slot + W > cache.capacity:
-            return self.runner.forward(tokens, positions, torch.ones((1, 1), dtype=torch.bool) if T == 1 else tree)
+            return self.runner.forward(tokens, positions, tree)  # T > 1 here: a width-1 bucket always fits
         rows = self._rows.get(W) or self._rows.setdefault(W, _Rows(W, self.device))
         rows.fill(tokens, positions, tree)
         self.slot.fill_(slot)
