@@ -48,6 +48,8 @@ DEFAULT_RUNS: tuple[RunSpec, ...] = (
     # the layers compiled by inductor (decoding/forward/compiled.py): minutes of compiling before the first step
     RunSpec("compiled_ar", "specrun", (("drafters", ()), ("compile_layers", True)), by_name=True),
     RunSpec("compiled_spec", "specrun", (("compile_layers", True),), by_name=True),
+    # specrun_spec with the 4-bit draft never compiled: what compile_draft auto changes on long runs
+    RunSpec("eager_draft_spec", "specrun", (("compile_draft", "off"),), by_name=True),
 )
 
 
@@ -154,7 +156,10 @@ class _Stepped:
 
     def __init__(self, lm, config: EngineConfig, prompt_ids: list[int], params: SamplingParams, lengths=()):
         self.device = lm.device
-        self.steps = Engine(lm, config).steps(prompt_ids, params)  # construction is not timed
+        engine = Engine(lm, config)
+        engine.prepare(params)  # construction and compiling are not timed
+        self.draft_compile_s = getattr(getattr(engine.quant, "forward", None), "compile_seconds", None)
+        self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None
 
@@ -175,7 +180,8 @@ class _Stepped:
     def outcome(self) -> tuple[list[int], float, dict, dict]:
         n = self.result.stats.get("new_tokens", len(self.result.token_ids))
         # the engine's own seconds are wall time since its start: in lockstep they include the other runs' steps
-        stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0}
+        stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0,
+                 "draft_compile_seconds": self.draft_compile_s}  # the process's one compile of the draft, untimed
         return self.result.token_ids, self.seconds, self.clock.at, stats
 
 

@@ -15,7 +15,7 @@ import torch
 from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
-from specrun.decoding.drafters.quant_draft import BatchedQuantDrafter, KVView, quantized_rows
+from specrun.decoding.drafters.quant_draft import BatchedQuantDrafter, KVView, compiled_draft, quantized_rows
 from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import BatchedSelfDrafter, draft_batch
@@ -81,6 +81,7 @@ class BatchEngine:
         self._tuners: dict[int, WidthTuner] = {}  # per number of active sequences: step cost depends on total rows
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
+        self.asked = 0  # new tokens its sequences asked for so far (compile_draft auto)
 
     # -- admission --------------------------------------------------------------------------------------------------
     def admit(self, key, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()) -> bool:
@@ -91,6 +92,8 @@ class BatchEngine:
         pages = self.runner.pool.admit(st.capacity)
         if pages is None:
             return False
+        self.prepare(params, len(resume_from))
+        self.asked += params.max_tokens - len(resume_from)
         drafters = build_drafters(self.names, self.config, self.heads, self.runner.lm_head, self.recycling,
                                   self.recurrent, lambda kv: BatchedSelfDrafter(self.heads, self.config.tree, kv),
                                   BatchedQuantDrafter)
@@ -108,6 +111,11 @@ class BatchEngine:
                 a.heads.see_queries(self.runner.queries, -1)  # the prompt's last token
         self.active.append(a)
         return True
+
+    def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
+        """Compile what the next sequence pays for (the solo engine's prepare); admit calls it."""
+        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed):
+            self.quant = compiled_draft(self.quant, batched=True)
 
     # -- the recipe, over the batch ---------------------------------------------------------------------------------
     def step(self, on_step: Callable[[object, list[int]], bool] | None = None) -> list[tuple[object, GenerationResult]]:

@@ -28,6 +28,9 @@ from specrun.decoding.forward.attention import check_backend
 from specrun.decoding.forward.decoder import FusedDecoder
 
 RECYCLING_K = 8
+# compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all. The
+# compile (~80 s the first time on a machine, ~8-35 s from inductor's disk cache) then pays (docs/benchmarks.md)
+COMPILE_DRAFT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,9 @@ class EngineConfig:
     step_graphs: str = "auto"  # verify forwards of up to 64 rows by static_step.py: on (CUDA graphs on CUDA, its
     # eager twin elsewhere), off, or auto (on where CUDA graphs run)
     compile_layers: bool = False  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py),
-    # compiled when the engine starts
+    # compiled when the engine starts; the 4-bit self-draft's graph with them
+    compile_draft: str = "auto"  # the 4-bit self-draft on torch's kernels as one compiled graph (quant_ring.py): on,
+    # off, or auto (once an engine's generations ask for COMPILE_DRAFT_TOKENS new tokens in all)
 
     def __post_init__(self):
         names = self.drafters if self.drafters is not None else ()
@@ -63,9 +68,16 @@ class EngineConfig:
                 raise ValueError(f"{name}={value} must be >= {low}")
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
         check_backend(self.attention)
-        if self.step_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"step_graphs={self.step_graphs!r}; choose from auto, on, off")
+        for name, value in (("step_graphs", self.step_graphs), ("compile_draft", self.compile_draft)):
+            if value not in ("auto", "on", "off"):
+                raise ValueError(f"{name}={value!r}; choose from auto, on, off")
         TreeTemplate(self.tree)  # validates the tree spec
+
+    def draft_compiles(self, asked: int) -> bool:
+        """Whether an engine whose generations asked for `asked` new tokens in all (the next one's included) drafts
+        through the compiled graph, where the 4-bit draft runs on torch's kernels."""
+        return self.compile_layers or self.compile_draft == "on" or (
+            self.compile_draft == "auto" and asked >= COMPILE_DRAFT_TOKENS)
 
     @property
     def wants_quant(self) -> bool:

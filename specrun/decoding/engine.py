@@ -13,7 +13,7 @@ import torch
 from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
-from specrun.decoding.drafters.quant_draft import QuantDrafter, quantized
+from specrun.decoding.drafters.quant_draft import QuantDrafter, compiled_draft, quantized
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import SelfDrafter
 from specrun.decoding.forward.runner import ModelRunner
@@ -47,6 +47,8 @@ class Engine:
             lambda kv: SelfDrafter(self.runner, heads, config.tree, kv),
             lambda: QuantDrafter(self.runner, quantized(self.runner.decoder, config.compile_layers)))
         self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)
+        self.quant = next((d for d in self.drafters if isinstance(d, QuantDrafter)), None)
+        self.asked = 0  # new tokens its generations asked for so far (compile_draft auto)
         self._capture = self.self_draft is not None and self.self_draft.needs_queries
         # verify forwards by the static step (up to its largest row bucket), but where the self-draft reads queries
         graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
@@ -82,6 +84,8 @@ class Engine:
         """The generation one step at a time: yields each step's emitted tokens (the prefill runs before the first);
         send(True) stops it. Returns the GenerationResult. An engine runs one generation at a time (its KV cache and
         stats are its own); separate engines' steps can be interleaved (specrun bench's lockstep)."""
+        self.prepare(params, len(resume_from))
+        self.asked += params.max_tokens - len(resume_from)
         st = self._start(prompt_ids, params, list(resume_from))
         stats = self.stats = GenStats(tuple(d.name for d in self.drafters))
         self.tuner = self._tuners[params.greedy] if self._tuners else None
@@ -113,6 +117,12 @@ class Engine:
         if self.self_draft is not None:
             stats.kv_rebuilds = self.self_draft.kv.rebuilds
         return GenerationResult(st.out, done, stats.as_dict())
+
+    def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
+        """Compile what the next generation pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it
+        runs on torch's kernels); steps() calls it, a caller may call it first to keep the compile apart."""
+        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed):
+            self.quant.forward = compiled_draft(self.quant.forward)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> Sequence:

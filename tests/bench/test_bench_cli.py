@@ -60,12 +60,18 @@ def test_bench_rejects_bad_flags(tiny_models):
     assert res.exit_code != 0 and "a,2" in res.output
 
 
-def test_rows_that_compile_run_only_by_name():
+def test_rows_that_compile_or_only_ablate_compiling_run_only_by_name():
     from specrun.bench.runner import DEFAULT_RUNS, select_runs
 
     default = {r.name for r in select_runs(None)}
-    assert "specrun_ar" in default and not default & {"compiled_ar", "compiled_spec"}
-    assert {r.name for r in DEFAULT_RUNS} - default == {"compiled_ar", "compiled_spec"}
+    by_name = {"compiled_ar", "compiled_spec", "eager_draft_spec"}
+    assert "specrun_ar" in default and not default & by_name
+    assert {r.name for r in DEFAULT_RUNS} - default == by_name
+    from specrun.bench.runner import plan
+    from specrun.decoding.engine import EngineConfig
+
+    (_, config), = plan(EngineConfig(), None, select_runs("eager_draft_spec"))[0]
+    assert config.compile_draft == "off" and config == EngineConfig(compile_draft="off")
     assert [r.name for r in select_runs("compiled_ar, specrun_ar")] == ["specrun_ar", "compiled_ar"]
     with pytest.raises(ValueError, match="'nope'"):
         select_runs("specrun_ar,nope")

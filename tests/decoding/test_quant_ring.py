@@ -171,3 +171,63 @@ def test_the_full_ring_stays_within_one_compiled_graph():
     """Sinks, window and a chain's reserve fill at most 4,096 slots: past 4,096 keys inductor's C++ reductions take
     another accumulation, a second graph that compiled in the middle of a run (~40 s, smollm2) and ran slower."""
     assert quant_torch.SINKS + quant_torch.WINDOW + quant_ring.RESERVE <= 4096
+
+
+def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_for_enough_tokens(compiled_lm,
+                                                                                                   monkeypatch):
+    """compile_draft auto (the default): an engine drafts through torch's eager draft until its generations have asked
+    for COMPILE_DRAFT_TOKENS new tokens in all (a resumed one counts what is left of it), then through the compiled
+    graph, every generation emitting AR's tokens; off never compiles it, on always."""
+    from specrun.decoding import config as engine_config
+
+    lm = compiled_lm
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
+    monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 2 * SAMPLED.max_tokens)
+    quant = {"drafters": ("quant",), "trie_budget": 4, "adaptive_budget": False}
+    engine = Engine(lm, EngineConfig(**quant))
+    eager = engine.quant.forward
+    assert isinstance(eager, TorchForward)
+    assert engine.generate(PROMPT, SAMPLED, resume_from=ar[:100]).token_ids == ar  # 20 tokens asked
+    assert engine.generate(PROMPT, SAMPLED).token_ids == ar  # 140 in all
+    assert engine.quant.forward is eager
+
+    result = engine.generate(PROMPT, SAMPLED)  # 260: past the mark
+    ring = engine.quant.forward
+    assert isinstance(ring, RingForward) and ring.fn is not None
+    calls = ring.calls
+    assert result.token_ids == ar and calls > 0 and result.stats["mean_accepted"] > 3.0, result.stats
+
+    off = Engine(lm, EngineConfig(**quant, compile_draft="off"))
+    for _ in range(3):
+        assert off.generate(PROMPT, SAMPLED).token_ids == ar
+    assert off.quant.forward is eager and ring.calls == calls
+    on = Engine(lm, EngineConfig(**quant, compile_draft="on"))
+    assert on.generate(PROMPT, SAMPLED).token_ids == ar and on.quant.forward is ring and ring.calls > calls
+
+
+def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(compiled_lm, monkeypatch):
+    """The batched engine's compile_draft auto: its eager draft until the sequences it admitted ask for
+    COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every sequence; outputs their solo AR runs'."""
+    from specrun.decoding import config as engine_config
+    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+
+    lm = compiled_lm
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
+    engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
+                         BatchConfig(concurrency=2, kv_tokens=2 * 256, page_size=256))
+    monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 2 * SAMPLED.max_tokens)
+    assert isinstance(engine.quant, TorchForward)
+    assert engine.admit(0, prompts[0], SAMPLED)
+    assert isinstance(engine.quant, TorchForward)  # 120 tokens asked: not worth a compile yet
+    assert engine.admit(1, prompts[1], SAMPLED)  # 240
+    ring = engine.quant
+    assert isinstance(ring, RingForward) and ring.batched
+    got = engine.run([])  # the two admitted, to the end
+    assert [got[i].token_ids for i in range(2)] == ar
+    assert ring.calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
+
+
+def test_compile_draft_takes_auto_on_or_off():
+    with pytest.raises(ValueError, match="compile_draft='sometimes'; choose from auto, on, off"):
+        EngineConfig(compile_draft="sometimes")

@@ -83,10 +83,11 @@ def test_runs_may_change_actors_drafting_and_cadence_each_is_recorded_and_output
     r = run.invoke(main, ["submit", str(prompts), "--model", model, "--job-dir", str(job.root), *SAMPLING,
                           "--checkpoint-every", "16", "--draft", "ngram,recycling", "-q"])
     assert r.exit_code == 130, r.output
-    # 2: resumed on 2 actors, without drafting, 40-token checkpoints; Ctrl-C once a 40-token chunk exists (the new
-    # cadence is the one used)
+    # 2: resumed on 2 actors, without drafting (nor compiling a draft), 40-token checkpoints; Ctrl-C once a 40-token
+    # chunk exists (the new cadence is the one used)
     _interrupt_when(lambda: 40 in _spans(job))
-    r = run.invoke(main, ["resume", str(job.root), "--actors", "2", "--draft", "none", "--checkpoint-every", "40", "-q"])
+    r = run.invoke(main, ["resume", str(job.root), "--actors", "2", "--draft", "none", "--checkpoint-every", "40",
+                          "--compile-draft", "off", "-q"])
     assert r.exit_code == 130, r.output
     # the attention backend and compiled layers are part of what the outputs are: refused, by resume and by a
     # resubmit, nothing recorded
@@ -113,7 +114,8 @@ def test_runs_may_change_actors_drafting_and_cadence_each_is_recorded_and_output
     assert [a["attempt"] for a in att] == [1, 2, 3] and [a["end"]["exit_code"] for a in att] == [130, 130, 0]
     s1, s2, s3 = (a["settings"] for a in att)
     assert _differences(s1, s2) == {"actors": (None, 2), "checkpoint.every": (16, 40),
-                                    "engine.drafters": (["ngram", "recycling"], [])}
+                                    "engine.drafters": (["ngram", "recycling"], []),
+                                    "engine.compile_draft": ("auto", "off")}
     assert s3 == s1 and s1["device"] == "cpu" and s1["dtype"] == "float32" and s1["engine"]["attention"] == "sdpa"
     assert s1["ray_address"] is None and s1["checkpoint"]["seconds"] == 60.0 and s1["engine"]["trie_budget"] == 64
     assert all(a["host"] and a["specrun_version"] and a["ended_at"] >= a["started_at"] for a in att)

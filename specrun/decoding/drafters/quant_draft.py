@@ -125,6 +125,12 @@ def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForw
     return ring_forward(fwd, batched=True) if compiled and isinstance(fwd, TorchForward) else fwd
 
 
+def compiled_draft(forward, batched: bool = False):
+    """forward as one compiled graph a token (quant_ring.py; compiled now, once per process, for several sequences a
+    call with `batched`) where it is torch's eager draft; any other forward as it is."""
+    return ring_forward(forward, batched) if isinstance(forward, TorchForward) else forward
+
+
 @dataclass
 class KVView:
     """A sequence's K/V as the draft forwards read and write them: [Lyr, Hkv, S, D] each, slots [0, length) committed."""
