@@ -449,3 +449,29 @@ def test_torchs_int8_product_is_the_float64_one_within_its_rounding(n, k):
         y = Int8Linear(w, b)(x).double()
         # a code errs by half of its row's step (max |w| / 127), summed over k inputs; bf16 output
         assert ((y - want).abs() <= 2 ** -7 * want.abs() + 0.02 * want.abs().max()).all()
+
+
+def test_a_draft_whose_compile_fails_drafts_eagerly_after_one_warning(model_dir, monkeypatch, capsys):
+    """compile_draft on a host where torch.compile fails (no C++ compiler, an inductor error): a warning naming the
+    error, then torch's eager draft for this and every later generation (no second try); the output is AR's."""
+    from specrun.decoding.drafters import quant_draft
+
+    tries = []
+
+    def fails(forward, batched=False):
+        tries.append(batched)
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(quant_draft, "ring_forward", fails)
+    lm = _model(model_dir, "torch", "float32")
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_draft="on"))
+    eager = engine.quant.forward
+    for _ in range(2):
+        result = engine.generate(PROMPT, SAMPLED)
+        assert result.token_ids == ar and result.stats["mean_accepted"] > 3.0, result.stats
+    assert engine.quant.forward is eager and isinstance(eager, TorchForward) and tries == [False]
+    assert "compiling the 4-bit self-draft failed (RuntimeError: no C++ compiler found)" in capsys.readouterr().err
+    batched = BatchEngine(lm, EngineConfig(drafters=("quant",), compile_draft="on"),
+                          BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
+    assert batched.admit(0, PROMPT, SAMPLED) and batched.quant is eager and tries == [False]

@@ -9,6 +9,7 @@ kernels (KernelForward) or torch's (quant_torch.TorchForward).
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -127,8 +128,17 @@ def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForw
 
 def compiled_draft(forward, batched: bool = False):
     """forward as one compiled graph a token (quant_ring.py; compiled now, once per process, for several sequences a
-    call with `batched`) where it is torch's eager draft; any other forward as it is."""
-    return ring_forward(forward, batched) if isinstance(forward, TorchForward) else forward
+    call with `batched`) where it is torch's eager draft; any other forward as it is. Where the compile fails (no C++
+    compiler, an inductor error) a warning, and the eager draft from then on: drafting changes the speed only."""
+    if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
+        return forward
+    try:
+        return ring_forward(forward, batched)
+    except Exception as e:  # noqa: BLE001 (torch.compile raises many kinds; the eager draft serves)
+        forward._specrun_compile_failed = True
+        print(f"specrun: warning: compiling the 4-bit self-draft failed ({type(e).__name__}: {str(e)[:200]}); "
+              f"drafting with the eager one", file=sys.stderr, flush=True)
+        return forward
 
 
 @dataclass
