@@ -29,7 +29,7 @@ from specrun.decoding.forward.decoder import FusedDecoder
 
 RECYCLING_K = 8
 # compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all. The
-# compile (~80 s the first time on a machine, ~8-35 s from inductor's disk cache) then pays (docs/benchmarks.md)
+# compile (~80-190 s the first time on a machine, ~8-35 s from inductor's disk cache) then pays (docs/benchmarks.md)
 COMPILE_DRAFT_TOKENS = 4096
 
 

@@ -454,15 +454,15 @@ def test_torchs_int8_product_is_the_float64_one_within_its_rounding(n, k):
 def test_a_draft_whose_compile_fails_drafts_eagerly_after_one_warning(model_dir, monkeypatch, capsys):
     """compile_draft on a host where torch.compile fails (no C++ compiler, an inductor error): a warning naming the
     error, then torch's eager draft for this and every later generation (no second try); the output is AR's."""
-    from specrun.decoding.drafters import quant_draft
+    from specrun.decoding.drafters.quant_ring import RingForward
 
     tries = []
 
-    def fails(forward, batched=False):
+    def fails(ring, batched=False):
         tries.append(batched)
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(quant_draft, "ring_forward", fails)
+    monkeypatch.setattr(RingForward, "warm", fails)
     lm = _model(model_dir, "torch", "float32")
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_draft="on"))

@@ -183,26 +183,43 @@ def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_f
     lm = compiled_lm
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
     monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 2 * SAMPLED.max_tokens)
+    compiles = _spy_compiles(monkeypatch)
     quant = {"drafters": ("quant",), "trie_budget": 4, "adaptive_budget": False}
     engine = Engine(lm, EngineConfig(**quant))
     eager = engine.quant.forward
     assert isinstance(eager, TorchForward)
     assert engine.generate(PROMPT, SAMPLED, resume_from=ar[:100]).token_ids == ar  # 20 tokens asked
     assert engine.generate(PROMPT, SAMPLED).token_ids == ar  # 140 in all
-    assert engine.quant.forward is eager
+    assert engine.quant.forward is eager and compiles == []
 
+    before = getattr(eager, "_specrun_ring", None)  # the module's other tests may have built the ring already
+    calls = before.calls if before is not None else 0
     result = engine.generate(PROMPT, SAMPLED)  # 260: past the mark
     ring = engine.quant.forward
-    assert isinstance(ring, RingForward) and ring.fn is not None
+    assert isinstance(ring, RingForward) and ring.fn is not None and compiles == [False]
+    assert result.token_ids == ar and ring.calls > calls and result.stats["mean_accepted"] > 3.0, result.stats
     calls = ring.calls
-    assert result.token_ids == ar and calls > 0 and result.stats["mean_accepted"] > 3.0, result.stats
 
     off = Engine(lm, EngineConfig(**quant, compile_draft="off"))
     for _ in range(3):
         assert off.generate(PROMPT, SAMPLED).token_ids == ar
-    assert off.quant.forward is eager and ring.calls == calls
+    assert off.quant.forward is eager and ring.calls == calls and compiles == [False]
     on = Engine(lm, EngineConfig(**quant, compile_draft="on"))
     assert on.generate(PROMPT, SAMPLED).token_ids == ar and on.quant.forward is ring and ring.calls > calls
+
+
+def _spy_compiles(monkeypatch) -> list[bool]:
+    """The `batched` of every call of quant_ring.ring_forward through compiled_draft, which still runs it."""
+    from specrun.decoding.drafters import quant_draft
+
+    seen, real = [], quant_draft.ring_forward
+
+    def spy(forward, batched=False):
+        seen.append(batched)
+        return real(forward, batched)
+
+    monkeypatch.setattr(quant_draft, "ring_forward", spy)
+    return seen
 
 
 def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(compiled_lm, monkeypatch):
@@ -217,15 +234,19 @@ def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_t
     engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
                          BatchConfig(concurrency=2, kv_tokens=2 * 256, page_size=256))
     monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 2 * SAMPLED.max_tokens)
-    assert isinstance(engine.quant, TorchForward)
+    compiles = _spy_compiles(monkeypatch)
+    eager = engine.quant
+    assert isinstance(eager, TorchForward)
     assert engine.admit(0, prompts[0], SAMPLED)
-    assert isinstance(engine.quant, TorchForward)  # 120 tokens asked: not worth a compile yet
+    assert engine.quant is eager and compiles == []  # 120 tokens asked: not worth a compile yet
+    before = getattr(eager, "_specrun_ring", None)  # the module's other tests may have built the ring already
+    calls = before.calls if before is not None else 0
     assert engine.admit(1, prompts[1], SAMPLED)  # 240
     ring = engine.quant
-    assert isinstance(ring, RingForward) and ring.batched
+    assert isinstance(ring, RingForward) and ring.batched and compiles == [True]
     got = engine.run([])  # the two admitted, to the end
     assert [got[i].token_ids for i in range(2)] == ar
-    assert ring.calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
+    assert ring.calls - calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
 
 
 def test_compile_draft_takes_auto_on_or_off():
