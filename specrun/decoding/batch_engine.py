@@ -78,7 +78,9 @@ class BatchEngine:
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafting = Drafting(names)
         self.quant = quantized_rows(self.runner.decoder, config.compile_layers) if "quant" in names else None
-        self._tuners: dict[int, WidthTuner] = {}  # per number of active sequences: step cost depends on total rows
+        # per number of active sequences (step cost depends on total rows) and greedy or not (as the solo engine's: the
+        # same widths pay differently, greedy text loops and the n-gram copy drafts its steps)
+        self._tuners: dict[tuple[int, bool], WidthTuner] = {}
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
         self.asked = 0  # new tokens its sequences asked for so far (compile_draft auto)
@@ -124,7 +126,7 @@ class BatchEngine:
         live = [a for a in self.active if a not in finished]
         if live:
             t_step = time.perf_counter()
-            tuner = self._tuner(len(live))
+            tuner = self._tuner(len(live), all(a.st.params.greedy for a in live))
             budget = tuner.choose() if tuner else self.config.trie_budget
             t = time.perf_counter()
             drafting = [a for a in live if a.heads is not None] if budget > 1 else []
@@ -183,12 +185,13 @@ class BatchEngine:
             a.pages.release()
             self.active.remove(a)
 
-    def _tuner(self, n: int) -> WidthTuner | None:
+    def _tuner(self, n: int, greedy: bool) -> WidthTuner | None:
+        """The tuner of steps of n sequences, all greedy or not (a mix drafts as sampled text: the chain)."""
         if not self.names or not self.config.adaptive_budget:
             return None
-        if n not in self._tuners:  # the 4-bit chain's tuner as the solo engine's sampled one
-            self._tuners[n] = width_tuner(self.config.trie_budget, self.quant is not None)
-        return self._tuners[n]
+        if (n, greedy) not in self._tuners:
+            self._tuners[n, greedy] = width_tuner(self.config.trie_budget, self.quant is not None, greedy)
+        return self._tuners[n, greedy]
 
     def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, BatchedQuantDrafter, object] | None:
         """What the 4-bit forward needs of a sequence that drafts with it this step: its page's K/V (one page a

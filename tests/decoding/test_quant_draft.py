@@ -475,3 +475,18 @@ def test_a_draft_whose_compile_fails_drafts_eagerly_after_one_warning(model_dir,
     batched = BatchEngine(lm, EngineConfig(drafters=("quant",), compile_draft="on"),
                           BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
     assert batched.admit(0, PROMPT, SAMPLED) and batched.quant is eager and tries == [False]
+
+
+def test_a_batched_engine_tunes_greedy_steps_apart_from_sampled_ones(model_dir):
+    """As the solo engine: steps whose sequences are all greedy have a tuner of their own, without the 4-bit chain's
+    rules (the n-gram copy drafts greedy loops); a step with any sampled sequence drafts as sampled text."""
+    lm = _model(model_dir, "torch", "float32")
+    engine = BatchEngine(lm, EngineConfig(drafters=("quant", "ngram")),
+                         BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
+    greedy, sampled = dataclasses.replace(GREEDY, max_tokens=8), dataclasses.replace(SAMPLED, max_tokens=24)
+    assert engine.admit(0, PROMPT, greedy) and engine.admit(1, PROMPT[:5], sampled)
+    engine.run([])
+    assert set(engine._tuners) == {(2, False), (1, False)}  # both, then the sampled one alone
+    engine.run([(2, PROMPT, greedy, [])])
+    assert set(engine._tuners) == {(2, False), (1, False), (1, True)}
+    assert engine._tuners[1, True].chain == 0 and engine._tuners[1, False].chain > 0
