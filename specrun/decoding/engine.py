@@ -84,10 +84,7 @@ class Engine:
         """The generation one step at a time: yields each step's emitted tokens (the prefill runs before the first);
         send(True) stops it. Returns the GenerationResult. An engine runs one generation at a time (its KV cache and
         stats are its own); separate engines' steps can be interleaved (specrun bench's lockstep)."""
-        st = self._start(prompt_ids, params, list(resume_from))  # a request it refuses compiles nothing
-        if self.prepare(params, len(resume_from)):  # the draft compiled now: it starts this sequence too
-            self.quant.start(st.known)
-        self.asked += params.max_tokens - len(resume_from)
+        st = self._start(prompt_ids, params, list(resume_from))
         stats = self.stats = GenStats(tuple(d.name for d in self.drafters))
         self.tuner = self._tuners[params.greedy] if self._tuners else None
         done = st.finished()
@@ -119,18 +116,17 @@ class Engine:
             stats.kv_rebuilds = self.self_draft.kv.rebuilds
         return GenerationResult(st.out, done, stats.as_dict())
 
-    def prepare(self, params: SamplingParams, resumed: int = 0) -> bool:
+    def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
         """Compile what the next generation pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it
-        runs on torch's kernels); steps() calls it, a caller may call it first to keep the compile apart. -> whether
-        the draft's forward changed"""
-        if self.quant is None or not self.config.draft_compiles(self.asked + params.max_tokens - resumed):
-            return False
-        before, self.quant.forward = self.quant.forward, compiled_draft(self.quant.forward)
-        return self.quant.forward is not before
+        runs on torch's kernels); steps() calls it, a caller may call it first to keep the compile apart."""
+        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed):
+            self.quant.forward = compiled_draft(self.quant.forward)
 
     # -- steps ----------------------------------------------------------------------------------------------------
     def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> Sequence:
         st = new_sequence(self.lm, prompt_ids, params, resumed, self.vocab_size, self.config.trie_budget)
+        self.prepare(params, len(resumed))  # a request new_sequence refused compiles nothing
+        self.asked += params.max_tokens - len(resumed)
         self.runner.reset(st.capacity)
         known = st.known
         for d in self.drafters:

@@ -115,7 +115,7 @@ def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward |
     if not hasattr(decoder, "_specrun_q4"):
         decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
     fwd = decoder._specrun_q4
-    return ring_forward(fwd) if compiled and isinstance(fwd, TorchForward) else fwd
+    return compiled_draft(fwd) if compiled else fwd
 
 
 def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
@@ -123,7 +123,7 @@ def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForw
     they take it (a window a sequence), else torch's int4 kernels, compiled where `compiled` (quant_ring.py, compiled
     now for one sequence a call and for several)."""
     fwd = quantized(decoder)
-    return ring_forward(fwd, batched=True) if compiled and isinstance(fwd, TorchForward) else fwd
+    return compiled_draft(fwd, batched=True) if compiled else fwd
 
 
 def compiled_draft(forward, batched: bool = False):
