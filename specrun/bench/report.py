@@ -75,6 +75,7 @@ def _run_row(name: str, kind: str, ms: list[Measurement], by_name: dict) -> dict
         row["oracle_accepted"] = st[0].get("oracle_accepted")
         row["phase_fraction"], row["outside_forward_fraction"], row["prefill_seconds"] = _phases(ms)
         row["draft_compile_seconds"] = st[0].get("draft_compile_seconds")  # once per process, before the timed steps
+        row["draft_packages_built"] = st[0].get("draft_packages_built")  # 0: loaded from the cache
     else:
         row["mean_accepted"] = None
     return row

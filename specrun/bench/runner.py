@@ -158,7 +158,9 @@ class _Stepped:
         self.device = lm.device
         engine = Engine(lm, config)
         engine.prepare(params)  # construction and compiling are not timed
-        self.draft_compile_s = getattr(getattr(engine.quant, "forward", None), "compile_seconds", None)
+        draft = getattr(engine.quant, "forward", None)
+        self.draft_compile_s = getattr(draft, "compile_seconds", None)  # loading (or building) its packages
+        self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
         self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None
@@ -181,7 +183,8 @@ class _Stepped:
         n = self.result.stats.get("new_tokens", len(self.result.token_ids))
         # the engine's own seconds are wall time since its start: in lockstep they include the other runs' steps
         stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0,
-                 "draft_compile_seconds": self.draft_compile_s}  # the process's one compile of the draft, untimed
+                 "draft_compile_seconds": self.draft_compile_s,  # the process's one compile of the draft, untimed
+                 "draft_packages_built": self.draft_built}
         return self.result.token_ids, self.seconds, self.clock.at, stats
 
 

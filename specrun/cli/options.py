@@ -99,13 +99,14 @@ engine_options = stack_options(
                  help="CPU: run forwards of up to 64 rows through the layers compiled by torch.compile (inductor, "
                       "weights frozen in; ~1.8x faster layers on smollm2, AVX2), and the 4-bit self-draft as one "
                       "compiled graph a token for every drafting sequence. Everything compiles at start (~90 s a row bucket on smollm2 "
-                      "with 2 threads, every process; the draft ~80-190 s once, then ~8-35 s from inductor's cache): "
+                      "with 2 threads, every process; the draft ~1 minute once per machine, then ~1 s from the cache): "
                       "for long runs. Where specrun's own kernels run, they stay."),
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                  help="CPUs where specrun's kernels do not run: the 4-bit self-draft as one graph a drafted token "
-                      "compiled by torch.compile, in place of ~1,000 eager ops. auto: once a worker's generations ask "
-                      "for 4,096 new tokens in all (the compile takes ~80-190 s the first time on a machine, ~8-35 s "
-                      "from inductor's cache). --compile compiles it whatever this says."),
+                      "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "
+                      "model (~1 minute for smollm2; kept in the specrun cache), loaded in about a second after. auto: "
+                      "at once where it is cached, else once a worker's generations ask for 4,096 new tokens in all. "
+                      "--compile compiles it whatever this says."),
 )
 
 

@@ -15,7 +15,13 @@ import torch
 from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
-from specrun.decoding.drafters.quant_draft import BatchedQuantDrafter, KVView, compiled_draft, quantized_rows
+from specrun.decoding.drafters.quant_draft import (
+    BatchedQuantDrafter,
+    KVView,
+    compiled_draft,
+    draft_cached,
+    quantized_rows,
+)
 from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import BatchedSelfDrafter, draft_batch
@@ -116,7 +122,8 @@ class BatchEngine:
 
     def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
         """Compile what the next sequence pays for (the solo engine's prepare); admit calls it."""
-        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed):
+        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed,
+                                                                   lambda: draft_cached(self.quant, batched=True)):
             self.quant = compiled_draft(self.quant, batched=True)
 
     # -- the recipe, over the batch ---------------------------------------------------------------------------------

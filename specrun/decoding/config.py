@@ -28,8 +28,8 @@ from specrun.decoding.forward.attention import check_backend
 from specrun.decoding.forward.decoder import FusedDecoder
 
 RECYCLING_K = 8
-# compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all. The
-# compile (~80-190 s the first time on a machine, ~8-35 s from inductor's disk cache) then pays (docs/benchmarks.md)
+# compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all, where
+# the first compile on a machine (~1-3 minutes) pays (docs/benchmarks.md); a cached one loads at once
 COMPILE_DRAFT_TOKENS = 4096
 
 
@@ -73,11 +73,12 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r}; choose from auto, on, off")
         TreeTemplate(self.tree)  # validates the tree spec
 
-    def draft_compiles(self, asked: int) -> bool:
+    def draft_compiles(self, asked: int, cached: Callable[[], bool] = lambda: False) -> bool:
         """Whether an engine whose generations asked for `asked` new tokens in all (the next one's included) drafts
-        through the compiled graph, where the 4-bit draft runs on torch's kernels."""
+        through the compiled graph, where the 4-bit draft runs on torch's kernels; auto: once they ask for
+        COMPILE_DRAFT_TOKENS (its first compile pays there), or at once where cached() (a load of about a second)."""
         return self.compile_layers or self.compile_draft == "on" or (
-            self.compile_draft == "auto" and asked >= COMPILE_DRAFT_TOKENS)
+            self.compile_draft == "auto" and (asked >= COMPILE_DRAFT_TOKENS or cached()))
 
     @property
     def wants_quant(self) -> bool:

@@ -13,7 +13,7 @@ import torch
 from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
-from specrun.decoding.drafters.quant_draft import QuantDrafter, compiled_draft, quantized
+from specrun.decoding.drafters.quant_draft import QuantDrafter, compiled_draft, draft_cached, quantized
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import SelfDrafter
 from specrun.decoding.forward.runner import ModelRunner
@@ -119,7 +119,8 @@ class Engine:
     def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
         """Compile what the next generation pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it
         runs on torch's kernels); steps() calls it, a caller may call it first to keep the compile apart."""
-        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed):
+        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed,
+                                                                   lambda: draft_cached(self.quant.forward)):
             self.quant.forward = compiled_draft(self.quant.forward)
 
     # -- steps ----------------------------------------------------------------------------------------------------

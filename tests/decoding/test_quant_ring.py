@@ -10,6 +10,7 @@ from specrun.decoding.drafters import quant_ring, quant_torch
 from specrun.decoding.drafters.quant_ring import RingForward
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
                                 reason="inductor compiles C++: no compiler here")
 
 
-@pytest.mark.parametrize("compiled,window,first", [(False, 5, 512), (False, 12, 4), (True, 5, 4)],
+@pytest.mark.parametrize("compiled,window,first", [(False, 5, 512), (False, 12, 4), (True, 12, 4)],
                          ids=["window 5", "window 12, the ring growing", "compiled, the ring growing"])
 def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smooth_dir, monkeypatch, compiled, window,
                                                                            first):
@@ -46,9 +47,7 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     fwd = TorchForward.of(runner.decoder)
     ring = RingForward(fwd)
     if compiled:
-        ring.warm()
-        # the ring grows from 6 slots to 23: one graph for every length, none compiled past the warm-up
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        ring.warm()  # the ring grows from 6 slots to 23 below: one package for every length
     else:
         ring.fn = ring.graph
     every = ([None], [1.0], [1e9])  # every token a candidate
@@ -78,6 +77,13 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
 
 
 @pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory):
+    """A cache without the packages of this module's other tests, for the two compile_draft auto tests (the solo one
+    builds the one-sequence package the batched one then finds)."""
+    return tmp_path_factory.mktemp("fresh-cache")
+
+
+@pytest.fixture(scope="module")
 def compiled_lm(model_dir):  # noqa: F811
     """One model for the engine tests below: its layers and draft graph compile once, each test adding what it needs."""
     return _model(model_dir, "torch", "float32")
@@ -100,8 +106,8 @@ def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(c
 def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_is_freed(smooth_dir, monkeypatch):
     """Two sequences of different lengths drafted through one compiled call a depth, each ring keyed by its owner:
     each one's logits are the torch draft's over its own cache (2%, as above). Once an owner is gone its ring is freed
-    and the other moves into its place; a new owner gets a ring of its own; one graph for one sequence and one for
-    several, none compiled past the warm-up."""
+    and the other moves into its place; a new owner gets a ring of its own; one package for one sequence and one for
+    several, for every ring length."""
     monkeypatch.setattr(quant_torch, "SINKS", 2)
     monkeypatch.setattr(quant_torch, "WINDOW", 12)
     monkeypatch.setattr(quant_ring, "FIRST_SPAN", 4)
@@ -117,7 +123,6 @@ def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_i
     fwd = TorchForward.of(runners[0].decoder)
     ring = RingForward(fwd)
     ring.warm(batched=True)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     every = ([None], [1.0], [1e9])  # every token a candidate
 
     class Owner:
@@ -168,19 +173,24 @@ def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compile
 
 
 def test_the_full_ring_stays_within_one_compiled_graph():
-    """Sinks, window and a chain's reserve fill at most 4,096 slots: past 4,096 keys inductor's C++ reductions take
-    another accumulation, a second graph that compiled in the middle of a run (~40 s, smollm2) and ran slower."""
+    """Sinks, window and a chain's reserve fill at most 4,096 slots, the keys the package is built for: past 4,096 keys
+    inductor's C++ reductions take another accumulation (under torch.compile a second graph compiled in the middle of a
+    run, ~40 s on smollm2, and ran slower)."""
     assert quant_torch.SINKS + quant_torch.WINDOW + quant_ring.RESERVE <= 4096
 
 
-def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_for_enough_tokens(compiled_lm,
-                                                                                                   monkeypatch):
-    """compile_draft auto (the default): an engine drafts through torch's eager draft until its generations have asked
-    for COMPILE_DRAFT_TOKENS new tokens in all (a resumed one counts what is left of it), then through the compiled
-    graph, every generation emitting AR's tokens; off never compiles it, on always."""
+def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_for_enough_tokens(model_dir,  # noqa: F811
+                                                                                                   monkeypatch,
+                                                                                                   fresh_cache):
+    """compile_draft auto (the default), nothing cached: an engine drafts through torch's eager draft until its
+    generations have asked for COMPILE_DRAFT_TOKENS new tokens in all (a resumed one counts what is left of it), then
+    through the compiled graph, every generation emitting AR's tokens; off never compiles it, on always. Once its
+    package is cached, another process's engine (here: the model loaded anew) takes it at once for a short text,
+    loading it, not building it."""
     from specrun.decoding import config as engine_config
 
-    lm = compiled_lm
+    monkeypatch.setenv("SPECRUN_CACHE", str(fresh_cache))  # no package of the module's earlier tests
+    lm = _model(model_dir, "torch", "float32")
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
     monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 2 * SAMPLED.max_tokens)
     compiles = _spy_compiles(monkeypatch)
@@ -192,12 +202,10 @@ def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_f
     assert engine.generate(PROMPT, SAMPLED).token_ids == ar  # 140 in all
     assert engine.quant.forward is eager and compiles == []
 
-    before = getattr(eager, "_specrun_ring", None)  # the module's other tests may have built the ring already
-    calls = before.calls if before is not None else 0
     result = engine.generate(PROMPT, SAMPLED)  # 260: past the mark
     ring = engine.quant.forward
-    assert isinstance(ring, RingForward) and ring.fn is not None and compiles == [False]
-    assert result.token_ids == ar and ring.calls > calls and result.stats["mean_accepted"] > 3.0, result.stats
+    assert isinstance(ring, RingForward) and ring.fn is not None and compiles == [False] and ring.built == 1
+    assert result.token_ids == ar and ring.calls > 0 and result.stats["mean_accepted"] > 3.0, result.stats
     calls = ring.calls
 
     off = Engine(lm, EngineConfig(**quant, compile_draft="off"))
@@ -206,6 +214,13 @@ def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_f
     assert off.quant.forward is eager and ring.calls == calls and compiles == [False]
     on = Engine(lm, EngineConfig(**quant, compile_draft="on"))
     assert on.generate(PROMPT, SAMPLED).token_ids == ar and on.quant.forward is ring and ring.calls > calls
+
+    again = Engine(_model(model_dir, "torch", "float32"), EngineConfig(**quant))  # a new decoder: nothing loaded
+    assert again.quant.forward is not eager and isinstance(again.quant.forward, TorchForward)
+    result = again.generate(PROMPT, SAMPLED, resume_from=ar[:100])  # 20 tokens asked: the cached package
+    loaded = again.quant.forward
+    assert isinstance(loaded, RingForward) and loaded.built == 0 and loaded.calls > 0 and compiles[-1] is False
+    assert result.token_ids == ar
 
 
 def _spy_compiles(monkeypatch) -> list[bool]:
@@ -222,13 +237,17 @@ def _spy_compiles(monkeypatch) -> list[bool]:
     return seen
 
 
-def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(compiled_lm, monkeypatch):
-    """The batched engine's compile_draft auto: its eager draft until the sequences it admitted ask for
-    COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every sequence; outputs their solo AR runs'."""
+def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(model_dir,  # noqa: F811
+                                                                                     monkeypatch, fresh_cache):
+    """The batched engine's compile_draft auto, its several-sequences package not cached: its eager draft until the
+    sequences it admitted ask for COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every sequence;
+    outputs their solo AR runs'."""
     from specrun.decoding import config as engine_config
     from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 
-    lm = compiled_lm
+    monkeypatch.setenv("SPECRUN_CACHE", str(fresh_cache))  # no package of the module's earlier tests
+    lm = _model(model_dir, "torch", "float32")
+    solo_cached = quant_ring.ring_of(FusedDecoder.of(lm.model)._specrun_q4).cached()  # the test above built it
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
     engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
@@ -239,14 +258,12 @@ def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_t
     assert isinstance(eager, TorchForward)
     assert engine.admit(0, prompts[0], SAMPLED)
     assert engine.quant is eager and compiles == []  # 120 tokens asked: not worth a compile yet
-    before = getattr(eager, "_specrun_ring", None)  # the module's other tests may have built the ring already
-    calls = before.calls if before is not None else 0
     assert engine.admit(1, prompts[1], SAMPLED)  # 240
     ring = engine.quant
-    assert isinstance(ring, RingForward) and ring.batched and compiles == [True]
+    assert isinstance(ring, RingForward) and ring.batched and compiles == [True] and ring.built == 2 - solo_cached
     got = engine.run([])  # the two admitted, to the end
     assert [got[i].token_ids for i in range(2)] == ar
-    assert ring.calls - calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
+    assert ring.calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
 
 
 def test_compile_draft_takes_auto_on_or_off():

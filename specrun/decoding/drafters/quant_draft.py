@@ -17,7 +17,7 @@ import torch
 
 from specrun.decoding.drafters.kernel_window import DraftWindow
 from specrun.decoding.drafters.ngram import SuffixCopy
-from specrun.decoding.drafters.quant_ring import RingForward, ring_forward
+from specrun.decoding.drafters.quant_ring import RingForward, ring_forward, ring_of
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
@@ -127,18 +127,29 @@ def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForw
 
 
 def compiled_draft(forward, batched: bool = False):
-    """forward as one compiled graph a token (quant_ring.py; compiled now, once per process, for several sequences a
-    call with `batched`) where it is torch's eager draft; any other forward as it is. Where the compile fails (no C++
-    compiler, an inductor error) a warning, and the eager draft from then on: drafting changes the speed only."""
+    """forward as one compiled graph a token (quant_ring.py: loaded from the cache, else compiled now; for several
+    sequences a call too with `batched`) where it is torch's eager draft; any other forward as it is. Where the compile
+    fails (no C++ compiler, an inductor error) a warning, and the eager draft from then on: drafting changes the speed
+    only."""
     if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
         return forward
     try:
         return ring_forward(forward, batched)
-    except Exception as e:  # noqa: BLE001 (torch.compile raises many kinds; the eager draft serves)
+    except Exception as e:  # noqa: BLE001 (export and inductor raise many kinds; the eager draft serves)
         forward._specrun_compile_failed = True
         print(f"specrun: warning: compiling the 4-bit self-draft failed ({type(e).__name__}: {str(e)[:200]}); "
               f"drafting with the eager one", file=sys.stderr, flush=True)
         return forward
+
+
+def draft_cached(forward, batched: bool = False) -> bool:
+    """Whether compiled_draft(forward, batched) would only load: a torch draft whose compiled graphs are loaded or
+    cached (compile_draft auto takes them for any length)."""
+    if isinstance(forward, RingForward):
+        forward = forward.fwd
+    if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
+        return False
+    return ring_of(forward).cached(batched)
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""The quantized self-draft's forward compiled by inductor (with --compile): one graph a drafted token, over a
-bf16 ring of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
+"""The quantized self-draft's forward compiled ahead of time by inductor: one graph a drafted token, over a bf16 ring
+of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
 
 RingForward(torch_forward) keeps TorchForward's contract (start, begin, logits) for one sequence or a batch, a ring
-each; warm() compiles it. A ring is synced from its sequence's cache at each begin (the committed slots it has not
+each; warm() loads its packages (ring_package.py), building them where they are not cached. A ring is synced from its sequence's cache at each begin (the committed slots it has not
 copied yet); the draft's own K/V go in the ring only, never in the target's cache. Its tokens are proposals: the verify
 decides (I1).
 """
@@ -14,19 +14,18 @@ import time
 import weakref
 
 import torch
-import torch._dynamo
 
-from specrun.decoding.drafters import quant_torch
+from specrun.decoding.drafters import quant_torch, ring_package
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward, rescore
 from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
 # committed position the next draft's window still reads
 # inductor: a value read twice (the rotated query) stored, not recomputed inside the loop over keys (inlined, the
-# query's RoPE ran once per key and head); the graph's wrapper in C++ (a call's Python dispatch of ~180 kernels was ~2 ms)
-OPTIONS = {"realize_reads_threshold": 1, "cpp_wrapper": True}
+# query's RoPE ran once per key and head)
+OPTIONS = {"realize_reads_threshold": 1}
 FIRST_SPAN = 512  # ring slots past the sinks for a new sequence, doubled (and synced anew) as its text outgrows them, up
-# to WINDOW + RESERVE: a short text's draft reads a short ring (one graph for every size: the ring's length is dynamic)
+# to WINDOW + RESERVE: a short text's draft reads a short ring (one package for every size: the ring's length is dynamic)
 
 
 class _Graph(torch.nn.Module):
@@ -39,6 +38,7 @@ class _Graph(torch.nn.Module):
         self.nq, self.nkv, self.D, self.inter = dec.n_q, dec.n_kv, dec.head_dim, dec.inter
         self.layers = torch.nn.ModuleList(fwd.layers)  # quant_torch's modules: the same tensors, no copy
         self.norm, self.head = fwd.norm, fwd.head
+        self.options = OPTIONS
 
     def forward(self, x, cos, sin, K, V, mask):
         """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf)
@@ -77,10 +77,12 @@ class RingForward:
         self.sinks, self.window = quant_torch.SINKS, quant_torch.WINDOW
         self.full = self.window + RESERVE  # ring positions past the sinks once the text fills the window
         self.graph = _Graph(fwd).eval()
-        self.fn = None
+        self.fn = self.fn_rows = None  # the graph for one sequence a call, and for several
         self.batched = False  # warmed for several sequences a call too
         self.calls = 0  # tokens drafted through the graph (tests check the engines take this path)
-        self.compile_seconds: float | None = None
+        self.compile_seconds: float | None = None  # loading (or building) the packages
+        self.built = 0  # packages this forward built (not found in the cache)
+        self._paths: dict = {}
         self.start()
 
     def _alloc(self, span: int, rings: int) -> None:
@@ -99,26 +101,51 @@ class RingForward:
         return torch.where(p < self.sinks, p, self.sinks + (p - self.sinks) % self.span)
 
     def warm(self, batched: bool = False) -> None:
-        """Compile the graph for one sequence a call (once), and with `batched` for several (once; progress on
-        stderr)."""
-        if self.fn is not None and (self.batched or not batched):
-            return
-        print("specrun: compiling the 4-bit self-draft (torch.compile, once per process)", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        fn = torch.compile(self.graph, fullgraph=True, options=OPTIONS) if self.fn is None else self.fn
+        """The graph for one sequence a call, and with `batched` for several: loaded from the cache, else built (progress
+        on stderr)."""
+        for rows in (1, 0) if batched else (1,):
+            if self._fn(rows) is None:
+                t0 = time.perf_counter()
+                fn = self._package(rows)
+                if rows == 1:
+                    self.fn = fn
+                else:
+                    self.fn_rows = fn
+                self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - t0
+        self.batched = self.batched or batched
+
+    def cached(self, batched: bool = False) -> bool:
+        """Whether warm(batched) needs no build: each graph it needs is loaded, or its package is in the cache."""
+        return all(self._fn(rows) is not None or self._path(rows).is_file() for rows in ((1, 0) if batched else (1,)))
+
+    def _fn(self, rows: int):
+        return self.fn if rows == 1 else self.fn_rows
+
+    def _path(self, rows: int):
+        if rows not in self._paths:  # the name hashes the weights: once a forward
+            self._paths[rows] = ring_package.path(self.graph, rows, self.sinks + self.full)
+        return self._paths[rows]
+
+    def _package(self, rows: int):
+        where = self._path(rows)
+        fn = ring_package.load(where)
+        if fn is None:
+            print(f"specrun: compiling the 4-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
+                  f"(AOTInductor, ~1 minute once per machine and model; cached in {where.parent})", file=sys.stderr,
+                  flush=True)
+            fn = ring_package.build(self.graph, self._example(1 if rows == 1 else 2), rows, self.sinks + self.full,
+                                    where)
+            self.built += 1
+        return fn
+
+    def _example(self, B: int) -> tuple:
+        """Inputs of the graph's shapes for B sequences (zeros: the export traces shapes, not values)."""
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
         with torch.inference_mode():
-            for B in (1, 2) if batched else (1,):
-                k = torch.zeros((B, *self.k.shape[1:]), dtype=BF16)
-                v, mask = torch.zeros_like(k), torch.zeros((B, k.shape[3]))
-                x, cos = torch.zeros((B, H), dtype=BF16), torch.ones((B, 1, D), dtype=BF16)
-                sin = torch.zeros_like(cos)
-                marks = [(k, 3), (v, 3), (mask, 1)] + ([(t, 0) for t in (x, cos, sin, k, v, mask)] if B > 1 else [])
-                for t, dim in marks:  # the ring's length, and the number of sequences past one
-                    torch._dynamo.mark_dynamic(t, dim)
-                fn(x, cos, sin, k, v, mask)
-        self.fn, self.batched = fn, self.batched or batched
-        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - t0
+            k = torch.zeros((B, *self.k.shape[1:3], min(self.k.shape[3], 16), D), dtype=BF16)
+            cos = torch.ones((B, 1, D), dtype=BF16)
+            return (torch.zeros((B, H), dtype=BF16), cos, torch.zeros_like(cos), k, torch.zeros_like(k),
+                    torch.zeros((B, k.shape[3])))
 
     def start(self) -> None:
         """Forget every sequence: one empty ring of the first size."""
@@ -210,9 +237,8 @@ class RingForward:
         K, V = (self.k, self.v) if self.whole else (self.k[rows], self.v[rows])  # [B, Lyr, Hkv, R, D]
         mask = torch.zeros(B, K.shape[3]).masked_fill_(~self._visible(self.pos[rows], n[:, None]), float("-inf"))
         x = self.dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
-        # cos/sin with the strides of the warm-up's (dynamo guards on strides)
-        cos, sin = (t[:, i].clone(memory_format=torch.contiguous_format) for t in (self.fwd.cos, self.fwd.sin))
-        h, coarse, k, v = self.fn(x, cos, sin, K, V, mask)
+        cos, sin = (t[:, i].contiguous() for t in (self.fwd.cos, self.fwd.sin))  # [B, 1, D]
+        h, coarse, k, v = self._call((x, cos, sin, K, V, mask))
         s = self.slot(n)
         self.k[rows, :, :, s] = k
         self.v[rows, :, :, s] = v
@@ -221,11 +247,27 @@ class RingForward:
         return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.fwd.rows, thetas[b], belows[b])
                           for b in range(B)])
 
+    def _call(self, args: tuple) -> tuple:
+        """The graph over these inputs' B sequences: the one-sequence graph for one, else the several-rows one, in
+        calls of at most MAX_ROWS."""
+        if args[0].shape[0] == 1 or self.fn_rows is None:
+            return self.fn(*args)
+        outs = []
+        for a in range(0, args[0].shape[0], ring_package.MAX_ROWS):
+            part = tuple(t[a : a + ring_package.MAX_ROWS] for t in args)
+            outs.append(self._fn(1 if part[0].shape[0] == 1 else 0)(*part))
+        return outs[0] if len(outs) == 1 else tuple(torch.cat(parts) for parts in zip(*outs))
 
-def ring_forward(fwd: TorchForward, batched: bool = False) -> RingForward:
-    """The compiled draft of a TorchForward, built once per forward (so once per decoder) and compiled for one
-    sequence a call, and with `batched` for several."""
+
+def ring_of(fwd: TorchForward) -> RingForward:
+    """The compiled draft of a TorchForward, built once per forward (so once per decoder); not warmed."""
     if not hasattr(fwd, "_specrun_ring"):
         fwd._specrun_ring = RingForward(fwd)
-    fwd._specrun_ring.warm(batched)
     return fwd._specrun_ring
+
+
+def ring_forward(fwd: TorchForward, batched: bool = False) -> RingForward:
+    """ring_of(fwd) warmed for one sequence a call, and with `batched` for several."""
+    ring = ring_of(fwd)
+    ring.warm(batched)
+    return ring

@@ -19,8 +19,8 @@ from specrun.decoding.forward.quant import GROUP, grid, quantizable
 # token stays flat as the text grows while the verify reads the whole cache (TokenSwift's partial KV); ~4K slots as the
 # self-draft heads' default kv_budget (a 1,024-slot window halved its acceptance past 1K tokens: docs/benchmarks.md). 64
 # sinks, not 4: a chat prompt's opening (its system turn) keeps the draft on the model's track once the window slides.
-# SINKS + WINDOW + the compiled draft's reserve for a chain (quant_ring.RESERVE, 16) = 4,096 ring slots: past 4,096
-# keys inductor's C++ reductions accumulate another way, a second graph compiled in the middle of a run
+# SINKS + WINDOW + the compiled draft's reserve for a chain (quant_ring.RESERVE, 16) = 4,096 ring slots, the most its
+# package takes (past 4,096 keys inductor's C++ reductions accumulate another way)
 SINKS = 64
 WINDOW = 4016
 BF16 = torch.bfloat16

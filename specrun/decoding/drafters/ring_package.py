@@ -1,0 +1,104 @@
+"""The compiled draft's graph (quant_ring._Graph) as an AOTInductor package in the specrun cache: built once per
+machine and model (~1 minute for smollm2), then loaded by any later process in about a second.
+
+path(graph, rows) names the package of a graph for one sequence a call (rows 1) or several (rows 0); load() returns
+its callable or None, build() compiles and writes it atomically. A package is a proposal-maker only (I1): a wrong one
+would cost speed, never output; its name covers the weights, the code that traces it, torch, the CPU and its threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from specrun.models.cache import cache_root
+
+MAX_ROWS = 1024  # sequences in one call of the several-rows package (a batched engine's concurrency; more: split)
+SAMPLE = 1 << 14  # bytes hashed at each of 64 places of a large weight (all of a small one)
+# the modules whose code the graph runs: a change to any of them names a new package
+SOURCES = ("quant_ring.py", "quant_torch.py", "../forward/decoder.py", "../forward/quant.py", "ring_package.py")
+
+
+def _host() -> str:
+    """The CPU's features, which inductor compiles for (a package built for AVX-512 must not load on AVX2): Linux's
+    flags line, else what the platform and ATen's dispatch say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.strip() for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags or f"{platform.machine()} {platform.processor()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _weights_digest(h, graph: torch.nn.Module) -> None:
+    for name, t in graph.state_dict().items():
+        raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        h.update(f"{name}\0{tuple(t.shape)}\0{t.dtype}\0".encode())
+        if raw.size <= 64 * SAMPLE:
+            h.update(raw.tobytes())
+        else:
+            for i in range(64):
+                at = i * (raw.size - SAMPLE) // 63
+                h.update(raw[at : at + SAMPLE].tobytes())
+
+
+def package_name(graph: torch.nn.Module, rows: int, max_keys: int) -> str:
+    """A name for graph's package: its weights (sampled), shapes and constants, the traced code, torch, the CPU's
+    features and the threads its loops are compiled for (inductor fixes them at compile time)."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for src in SOURCES:
+        h.update((here / src).read_bytes())
+    layers = [(L.scaling, getattr(L.act, "__name__", type(L.act).__name__), L.ln1.eps, L.ln2.eps,
+               L.q_norm is not None) for L in graph.layers]
+    h.update(repr((torch.__version__, _host(), torch.get_num_threads(), rows, max_keys, graph.nq, graph.nkv, graph.D, graph.inter, layers,
+                   graph.norm.eps, graph.options)).encode())
+    _weights_digest(h, graph)
+    return f"draft-{'1' if rows == 1 else 'n'}-{h.hexdigest()[:20]}.pt2"
+
+
+def path(graph: torch.nn.Module, rows: int, max_keys: int) -> Path:
+    """Where graph's package for `rows` sequences a call (1, or 0: any number up to MAX_ROWS) lives."""
+    return cache_root() / "drafts" / package_name(graph, rows, max_keys)
+
+
+def load(where: Path):
+    """The package's callable (x, cos, sin, K, V, mask) -> (h, coarse, k, v), or None where there is none, or where it
+    does not load (a damaged file: removed, to be built again)."""
+    if not where.is_file():
+        return None
+    try:
+        return torch._inductor.aoti_load_package(str(where))
+    except Exception:  # noqa: BLE001 (a truncated zip, a missing symbol: whatever it is, building anew mends it)
+        where.unlink(missing_ok=True)
+        return None
+
+
+def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, where: Path):
+    """Export graph at the example's shapes (the keys dynamic up to max_keys, and the sequences where rows is 0),
+    compile it ahead of time, write the package atomically (concurrent builders: the last rename wins) and load it."""
+    keys = torch.export.Dim("R", min=2, max=max_keys)
+    seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
+    dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: keys}, "V": {0: seqs, 3: keys},
+            "mask": {0: seqs, 1: keys}}
+    with torch.inference_mode():
+        program = torch.export.export(graph, example, dynamic_shapes=dims)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{where.name}.", suffix=".pt2", dir=where.parent)
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():  # torch's own deprecation notices from inside the packaging, not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=dict(graph.options))
+        os.chmod(tmp, 0o644)  # mkstemp makes it private
+        os.replace(tmp, where)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return load(where)
