@@ -183,8 +183,8 @@ class _Stepped:
         n = self.result.stats.get("new_tokens", len(self.result.token_ids))
         # the engine's own seconds are wall time since its start: in lockstep they include the other runs' steps
         stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0,
-                 "draft_compile_seconds": self.draft_compile_s,  # the process's one compile of the draft, untimed
-                 "draft_packages_built": self.draft_built}
+                 "draft_compile_seconds": self.draft_compile_s,  # loading or building the draft's packages, untimed
+                 "draft_packages_built": self.draft_built}  # (both summed over the runs sharing its decoder)
         return self.result.token_ids, self.seconds, self.clock.at, stats
 
 

@@ -53,7 +53,8 @@ class EngineConfig:
     compile_layers: bool = False  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py),
     # compiled when the engine starts; the 4-bit self-draft's graph with them
     compile_draft: str = "auto"  # the 4-bit self-draft on torch's kernels as one compiled graph (quant_ring.py): on,
-    # off, or auto (once an engine's generations ask for COMPILE_DRAFT_TOKENS new tokens in all)
+    # off, or auto (at once where its packages are cached, else once an engine's generations ask for
+    # COMPILE_DRAFT_TOKENS new tokens in all)
 
     def __post_init__(self):
         names = self.drafters if self.drafters is not None else ()

@@ -47,7 +47,7 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     fwd = TorchForward.of(runner.decoder)
     ring = RingForward(fwd)
     if compiled:
-        ring.warm()  # the ring grows from 6 slots to 23 below: one package for every length
+        ring.warm()  # the ring grows from 6 slots to 30 below: one package for every length
     else:
         ring.fn = ring.graph
     every = ([None], [1.0], [1e9])  # every token a candidate

@@ -1,6 +1,9 @@
 """The compiled draft's packages in the cache: a package's name changes with anything that changes what it computes or
-where it can run, and a damaged one is not loaded but removed (then built anew)."""
+where it can run; a damaged one is not loaded but removed (then built anew), a sound one that does not load is kept."""
 
+import zipfile
+
+import pytest
 import torch
 
 from specrun.decoding.drafters import ring_package
@@ -45,3 +48,13 @@ def test_a_damaged_package_is_removed_not_loaded(tmp_path):
     assert ring_package.load(where) is None  # none there
     where.write_bytes(b"PK\x03\x04 the first bytes of a zip, cut off")
     assert ring_package.load(where) is None and not where.exists()
+
+
+def test_a_sound_package_that_does_not_load_here_raises_and_is_kept(tmp_path):
+    """Not this host's to remove (another may load it): the caller drafts eagerly."""
+    where = tmp_path / "draft-1-4567.pt2"
+    with zipfile.ZipFile(where, "w") as z:
+        z.writestr("draft/data/aotinductor/model/model.wrapper.so", b"no library")
+    with pytest.raises(Exception):  # noqa: B017 (whatever the loader raises)
+        ring_package.load(where)
+    assert where.exists()

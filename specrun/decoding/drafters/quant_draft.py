@@ -149,7 +149,10 @@ def draft_cached(forward, batched: bool = False) -> bool:
         forward = forward.fwd
     if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
         return False
-    return ring_of(forward).cached(batched)
+    try:
+        return ring_of(forward).cached(batched)
+    except Exception:  # noqa: BLE001 (no cache directory, no sources to hash: it is not cached, and drafting goes on)
+        return False
 
 
 @dataclass

@@ -2,9 +2,9 @@
 of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
 
 RingForward(torch_forward) keeps TorchForward's contract (start, begin, logits) for one sequence or a batch, a ring
-each; warm() loads its packages (ring_package.py), building them where they are not cached. A ring is synced from its sequence's cache at each begin (the committed slots it has not
-copied yet); the draft's own K/V go in the ring only, never in the target's cache. Its tokens are proposals: the verify
-decides (I1).
+each; warm() loads its packages (ring_package.py), building them where they are not cached. A ring is synced from its
+sequence's cache at each begin (the committed slots it has not copied yet); the draft's own K/V go in the ring only,
+never in the target's cache. Its tokens are proposals: the verify decides (I1).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class RingForward:
         """Empty rings of `span` positions past the sinks (each synced from slot 0 at its next begin)."""
         dec = self.dec
         self.span, R = span, self.sinks + span
-        with torch.inference_mode():  # every input of the graph an inference tensor, as at its warm-up (dynamo guards)
+        with torch.inference_mode():  # the drafting path records nothing for autograd
             self.k = torch.zeros((rings, len(dec.layers), dec.n_kv, R, dec.head_dim), dtype=BF16)  # [C,Lyr,Hkv,R,D]
             self.v = torch.zeros_like(self.k)
             self.pos = torch.full((rings, R), -1, dtype=torch.long)  # the position each slot holds, -1: none
@@ -250,8 +250,10 @@ class RingForward:
     def _call(self, args: tuple) -> tuple:
         """The graph over these inputs' B sequences: the one-sequence graph for one, else the several-rows one, in
         calls of at most MAX_ROWS."""
-        if args[0].shape[0] == 1 or self.fn_rows is None:
+        if args[0].shape[0] == 1:
             return self.fn(*args)
+        if self.fn_rows is None:  # the one-sequence package takes one row, and does not check
+            raise RuntimeError("the compiled draft was warmed for one sequence a call, not several")
         outs = []
         for a in range(0, args[0].shape[0], ring_package.MAX_ROWS):
             part = tuple(t[a : a + ring_package.MAX_ROWS] for t in args)

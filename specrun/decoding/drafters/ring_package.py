@@ -8,11 +8,14 @@ would cost speed, never output; its name covers the weights, the code that trace
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import tempfile
+import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ import torch
 from specrun.models.cache import cache_root
 
 MAX_ROWS = 1024  # sequences in one call of the several-rows package (a batched engine's concurrency; more: split)
+ABANDONED = 3600  # seconds after which a build's temporary file is a killed process's leftover
 SAMPLE = 1 << 14  # bytes hashed at each of 64 places of a large weight (all of a small one)
 # the modules whose code the graph runs: a change to any of them names a new package
 SOURCES = ("quant_ring.py", "quant_torch.py", "../forward/decoder.py", "../forward/quant.py", "ring_package.py")
@@ -48,17 +52,24 @@ def _weights_digest(h, graph: torch.nn.Module) -> None:
                 h.update(raw[at : at + SAMPLE].tobytes())
 
 
+def _act(act) -> str:
+    """An activation's identity that stays the same across processes (a function's repr holds its address)."""
+    return repr(act) if isinstance(act, torch.nn.Module) else f"{act.__module__}.{act.__qualname__}"
+
+
 def package_name(graph: torch.nn.Module, rows: int, max_keys: int) -> str:
-    """A name for graph's package: its weights (sampled), shapes and constants, the traced code, torch, the CPU's
-    features and the threads its loops are compiled for (inductor fixes them at compile time)."""
+    """A name for graph's package: its weights (sampled), shapes and constants, the traced code, torch and
+    transformers, the CPU's features and the threads its loops are compiled for (inductor fixes them at compile time)."""
+    import transformers
+
     h = hashlib.sha256()
     here = Path(__file__).parent
     for src in SOURCES:
         h.update((here / src).read_bytes())
-    layers = [(L.scaling, getattr(L.act, "__name__", type(L.act).__name__), L.ln1.eps, L.ln2.eps,
-               L.q_norm is not None) for L in graph.layers]
-    h.update(repr((torch.__version__, _host(), torch.get_num_threads(), rows, max_keys, graph.nq, graph.nkv, graph.D, graph.inter, layers,
-                   graph.norm.eps, graph.options)).encode())
+    layers = [(L.scaling, _act(L.act), L.ln1.eps, L.ln2.eps, *(n if n is None else n.eps for n in (L.q_norm, L.k_norm)))
+              for L in graph.layers]
+    h.update(repr((torch.__version__, transformers.__version__, _host(), torch.get_num_threads(), rows, max_keys,
+                   graph.nq, graph.nkv, graph.D, graph.inter, layers, graph.norm.eps, graph.options)).encode())
     _weights_digest(h, graph)
     return f"draft-{'1' if rows == 1 else 'n'}-{h.hexdigest()[:20]}.pt2"
 
@@ -69,20 +80,32 @@ def path(graph: torch.nn.Module, rows: int, max_keys: int) -> Path:
 
 
 def load(where: Path):
-    """The package's callable (x, cos, sin, K, V, mask) -> (h, coarse, k, v), or None where there is none, or where it
-    does not load (a damaged file: removed, to be built again)."""
+    """The package's callable (x, cos, sin, K, V, mask) -> (h, coarse, k, v), or None where there is none or where the
+    file is damaged (removed, to be built again). A sound file that does not load here raises (the caller drafts
+    eagerly): another process, or host, may load it."""
     if not where.is_file():
         return None
     try:
         return torch._inductor.aoti_load_package(str(where))
-    except Exception:  # noqa: BLE001 (a truncated zip, a missing symbol: whatever it is, building anew mends it)
+    except Exception:
+        if _sound(where):
+            raise
         where.unlink(missing_ok=True)
         return None
 
 
+def _sound(where: Path) -> bool:
+    try:
+        with zipfile.ZipFile(where) as z:
+            return z.testzip() is None
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, where: Path):
     """Export graph at the example's shapes (the keys dynamic up to max_keys, and the sequences where rows is 0),
-    compile it ahead of time, write the package atomically (concurrent builders: the last rename wins) and load it."""
+    compile it ahead of time, load it, and only then put it in place atomically (concurrent builders: the last rename
+    wins); builds a process killed left behind are removed."""
     keys = torch.export.Dim("R", min=2, max=max_keys)
     seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
     dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: keys}, "V": {0: seqs, 3: keys},
@@ -90,15 +113,20 @@ def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, wher
     with torch.inference_mode():
         program = torch.export.export(graph, example, dynamic_shapes=dims)
     where.parent.mkdir(parents=True, exist_ok=True)
+    for old in where.parent.glob(".draft-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > ABANDONED:
+                old.unlink()
     fd, tmp = tempfile.mkstemp(prefix=f".{where.name}.", suffix=".pt2", dir=where.parent)
     os.close(fd)
     try:
         with warnings.catch_warnings():  # torch's own deprecation notices from inside the packaging, not the user's
             warnings.simplefilter("ignore", FutureWarning)
             torch._inductor.aoti_compile_and_package(program, package_path=tmp, inductor_configs=dict(graph.options))
+        fn = torch._inductor.aoti_load_package(tmp)  # raises where it does not load: nothing put in place
         os.chmod(tmp, 0o644)  # mkstemp makes it private
         os.replace(tmp, where)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return load(where)
+    return fn
