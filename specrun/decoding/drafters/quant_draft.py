@@ -144,9 +144,7 @@ def compiled_draft(forward, batched: bool = False):
 
 def draft_cached(forward, batched: bool = False) -> bool:
     """Whether compiled_draft(forward, batched) would only load: a torch draft whose compiled graphs are loaded or
-    cached (compile_draft auto takes them for any length)."""
-    if isinstance(forward, RingForward):
-        forward = forward.fwd
+    cached (compile_draft auto takes them for any length); any other forward (a compiled one already) False."""
     if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
         return False
     try:

@@ -24,6 +24,7 @@ RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft
 # inductor: a value read twice (the rotated query) stored, not recomputed inside the loop over keys (inlined, the
 # query's RoPE ran once per key and head)
 OPTIONS = {"realize_reads_threshold": 1}
+_ROWS = {False: (1,), True: (1, 0)}  # the packages warm(batched) needs: one sequence a call, and several (rows 0)
 FIRST_SPAN = 512  # ring slots past the sinks for a new sequence, doubled (and synced anew) as its text outgrows them, up
 # to WINDOW + RESERVE: a short text's draft reads a short ring (one package for every size: the ring's length is dynamic)
 
@@ -78,7 +79,6 @@ class RingForward:
         self.full = self.window + RESERVE  # ring positions past the sinks once the text fills the window
         self.graph = _Graph(fwd).eval()
         self.fn = self.fn_rows = None  # the graph for one sequence a call, and for several
-        self.batched = False  # warmed for several sequences a call too
         self.calls = 0  # tokens drafted through the graph (tests check the engines take this path)
         self.compile_seconds: float | None = None  # loading (or building) the packages
         self.built = 0  # packages this forward built (not found in the cache)
@@ -103,20 +103,20 @@ class RingForward:
     def warm(self, batched: bool = False) -> None:
         """The graph for one sequence a call, and with `batched` for several: loaded from the cache, else built (progress
         on stderr)."""
-        for rows in (1, 0) if batched else (1,):
+        for rows in _ROWS[batched]:
             if self._fn(rows) is None:
                 t0 = time.perf_counter()
-                fn = self._package(rows)
-                if rows == 1:
-                    self.fn = fn
-                else:
-                    self.fn_rows = fn
+                setattr(self, "fn" if rows == 1 else "fn_rows", self._package(rows))
                 self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - t0
-        self.batched = self.batched or batched
+
+    @property
+    def batched(self) -> bool:
+        """Warmed for several sequences a call too."""
+        return self.fn_rows is not None
 
     def cached(self, batched: bool = False) -> bool:
         """Whether warm(batched) needs no build: each graph it needs is loaded, or its package is in the cache."""
-        return all(self._fn(rows) is not None or self._path(rows).is_file() for rows in ((1, 0) if batched else (1,)))
+        return all(self._fn(rows) is not None or self._path(rows).is_file() for rows in _ROWS[batched])
 
     def _fn(self, rows: int):
         return self.fn if rows == 1 else self.fn_rows
