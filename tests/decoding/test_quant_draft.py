@@ -9,7 +9,7 @@ import torch
 from specrun.bench.neartie import check_divergence
 from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.drafters import quant_torch
-from specrun.decoding.drafters.quant_draft import KernelForward, QuantDrafter, quantized
+from specrun.decoding.drafters.quant_draft import KernelForward, QuantDrafter, pick, quantized
 from specrun.decoding.drafters.quant_torch import Int4Linear, Int8Linear, TorchForward, on_grid
 from specrun.decoding.drafters.quant_torch import rescore as torch_rescore
 from specrun.decoding.engine import Engine, EngineConfig
@@ -19,7 +19,7 @@ from specrun.decoding.forward.kv_codes import KVCodes
 from specrun.decoding.forward.quant import quantizable, quantize
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.sampling import SamplingParams, ar_choice
 from specrun.decoding.verify.trie import DraftContext
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
@@ -338,25 +338,56 @@ def test_torchs_int4_product_is_the_float64_one_on_the_dequantized_weights(n, k)
 
 @pytest.mark.parametrize("theta", [1.0, 1.3, 0.7])
 def test_torch_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_top(theta):
-    """The rule of the C kernel's rescore_bf16 in torch: tokens within `below` of the penalised coarse best get h . W[v],
-    the rest -inf; the same kept set as the kernel where it runs."""
+    """The rule of the C kernel's rescore_bf16 in torch, for several rows at once: each row's tokens within its `below`
+    of its own penalised coarse best get h . W[v], the rest -inf (a row without counts unpenalised, whatever the others
+    keep); the same kept set as the kernel where it runs."""
     gen = torch.Generator().manual_seed(int(theta * 10) + 1)
-    V, H = 1000, 96
-    rows, h = torch.randn((V, H), generator=gen).bfloat16(), torch.randn(H, generator=gen).bfloat16()
-    exact = rows.double() @ h.double()
-    coarse = (exact + torch.randn(V, generator=gen, dtype=torch.float64) * 0.5).bfloat16()
-    counts = (torch.rand(V, generator=gen) < 0.3).to(torch.int32)
-    counts[coarse.float().argmax()] = 2
-    below = 4.0 if theta >= 1 else 20.0
-    out = torch_rescore(coarse[None].float(), counts, h[None], rows, theta, below)[0]
-    c = coarse.float()
-    pen = torch.where(counts > 0, torch.where(c > 0, c / theta, c * theta), c)
-    kept = pen >= pen.max() - below
-    assert 1 < int(kept.sum()) < V and torch.equal(out > float("-inf"), kept)
-    assert ((out[kept].double() - exact[kept]).abs() <= 2 ** -8 * exact[kept].abs() + 1e-6).all()
-    if cpu_kernels() is not None:
-        theirs, _ = cpu_kernels().rescore(coarse[None], counts, h[None], rows, theta, below)
-        assert torch.equal(theirs[0] > float("-inf"), kept)
+    V, H, B = 1000, 96, 3
+    rows, h = torch.randn((V, H), generator=gen).bfloat16(), torch.randn((B, H), generator=gen).bfloat16()
+    exact = h.double() @ rows.double().T  # [B, V]
+    coarse = (exact + torch.randn((B, V), generator=gen, dtype=torch.float64) * 0.5).bfloat16()
+    counts = [(torch.rand(V, generator=gen) < 0.3).to(torch.int32) for _ in range(B)]
+    counts[1] = None
+    for b in (0, 2):
+        counts[b][coarse[b].float().argmax()] = 2
+    thetas, belows = [theta, theta, 1.1], [4.0 if theta >= 1 else 20.0, 3.0, 6.0]
+    out = torch_rescore(coarse.float(), counts, h, rows, thetas, belows)
+    for b in range(B):
+        c = coarse[b].float()
+        pen = c if counts[b] is None else torch.where(counts[b] > 0, torch.where(c > 0, c / thetas[b], c * thetas[b]), c)
+        kept = pen >= pen.max() - belows[b]
+        assert 1 < int(kept.sum()) < V and torch.equal(out[b] > float("-inf"), kept), b
+        assert ((out[b, kept].double() - exact[b, kept]).abs() <= 2 ** -8 * exact[b, kept].abs() + 1e-6).all(), b
+        if cpu_kernels() is not None:
+            theirs, _ = cpu_kernels().rescore(coarse[b : b + 1], counts[b], h[b : b + 1], rows, thetas[b], belows[b])
+            assert torch.equal(theirs[0] > float("-inf"), kept)
+
+
+def test_a_depths_rows_are_each_picked_as_alone():
+    """pick over several rows (sampled and greedy settings, a row without counts) gives each row the token ar_choice
+    gives it alone at its position, its own counts penalised: grouping rows by their settings changes no pick."""
+    gen = torch.Generator().manual_seed(3)
+    V, B = 500, 6
+    logits = torch.randn((B, V), generator=gen) * 3
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, min_p=0.05, penalty=3.0, seed=7)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, penalty=3.0)
+    params = [sampled, greedy, sampled, sampled, greedy, sampled]
+    counts = [(torch.rand(V, generator=gen) < 0.2).to(torch.int32) for _ in range(B)]
+    for b in range(B):  # each row's best tokens counted: its penalty moves its pick
+        counts[b][logits[b].topk(3).indices] = b % 2
+    counts[3] = None
+    positions = [10, 11, 12, 40, 41, 10]
+    got = pick(logits, counts, params, positions)
+    want = [int(ar_choice(logits[b : b + 1], params[b], torch.tensor([positions[b]]), lambda: (counts[b], None),
+                          lambda: None if counts[b] is None else (counts[b] > 0)[None])[0][0]) for b in range(B)]
+    assert got == want
+    assert got != pick(logits, [None] * B, params, positions)  # the counts do move picks
+    # the same rows as a compiled draft's candidates: 40 columns a row standing for token ids, its best among them
+    tops = [logits[b].topk(20).indices for b in range(B)]
+    others = [torch.randperm(V, generator=gen) for _ in range(B)]
+    ids = torch.stack([torch.cat([t, o[~torch.isin(o, t)][:20]]).sort().values for t, o in zip(tops, others)])
+    sparse = torch.full_like(logits, float("-inf")).scatter_(1, ids, logits.gather(1, ids))
+    assert pick(logits.gather(1, ids), counts, params, positions, ids) == pick(sparse, counts, params, positions)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -28,6 +28,15 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
                                 reason="inductor compiles C++: no compiler here")
 
 
+def _near(logits: torch.Tensor, ids: torch.Tensor, want: torch.Tensor, where) -> None:
+    """A compiled draft's candidates (logits [C] at token ids [C], ascending) against the torch draft's logits [V]: its
+    8 best tokens among them, and their logits the same within 2% of the largest (the same arithmetic but for the order
+    of float32 sums and, compiled, where bf16 intermediates are rounded)."""
+    assert ids.shape == (quant_ring.CANDIDATES,) and torch.equal(ids, ids.sort().values), where
+    assert set(want.topk(8).indices.tolist()) <= set(ids.tolist()), where
+    assert (logits - want[ids]).abs().max() <= 0.02 * want.abs().max(), where
+
+
 @pytest.mark.parametrize("compiled,window,first", [(False, 5, 512), (False, 12, 4), (True, 12, 4)],
                          ids=["window 5", "window 12, the ring growing", "compiled, the ring growing"])
 def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smooth_dir, monkeypatch, compiled, window,
@@ -35,11 +44,10 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     """2 sinks and a short window over a 13-token prompt: four drafts of 3 tokens, 2 of each committed (the target's own
     K/V replace the drafted ones), the ring starting at `first` slots past the sinks. Each drafted token attends
     exactly the sinks and the window's positions before it, each committed one holding the target's K/V (in bf16);
-    its logits are the torch draft's over the target's cache so rounded, within 2% (the same arithmetic but for the
-    order of float32 sums and, compiled, where bf16 intermediates are rounded)."""
+    its candidates' logits are the torch draft's over the target's cache so rounded (_near)."""
     monkeypatch.setattr(quant_torch, "SINKS", 2)
     monkeypatch.setattr(quant_torch, "WINDOW", window)
-    monkeypatch.setattr(quant_ring, "FIRST_SPAN", first)
+    monkeypatch.setattr(quant_ring, "SPAN_STEP", first)
     lm = _on_grid(load_model(str(smooth_dir), dtype="float32"))
     runner = ModelRunner(lm, max_rows=16)
     runner.reset(64)
@@ -65,15 +73,46 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
             slots = ring.slot(committed)
             assert torch.equal(ring.k[0][:, :, slots].float(), runner.cache.k[:, :, committed])
             assert torch.equal(ring.v[0][:, :, slots].float(), runner.cache.v[:, :, committed])
-            got.append(ring.logits(i, [t], *every)[0])
+            got.append(ring.candidates(i, [t], *every))
         fwd.begin([runner.cache], [n], 3)
         want = [fwd.logits(i, [t], *every)[0] for i, t in enumerate(tokens)]
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert (g - w).abs().max() <= 0.02 * w.abs().max(), (step, i)
+        for i, ((logits, ids), w) in enumerate(zip(got, want)):
+            _near(logits[0], ids[0], w, (step, i))
         runner.forward(torch.tensor(tokens), torch.arange(n, n + 3), torch.ones((3, 3), dtype=torch.bool).tril_())
         runner.cache.commit(torch.tensor([0, 1]))
     assert ring.calls == 12 and runner.cache.length == len(PROMPT) + 8
-    assert ring.span == window + quant_ring.RESERVE  # grown to the whole window where it started shorter
+    need = len(PROMPT) + 6 + 3 - 2  # the last draft's positions past the sinks: grown in steps to them, or to the whole
+    assert ring.span == min(window + quant_ring.RESERVE, -(-need // first) * first)  # window and its reserve
+
+
+def test_the_graph_chooses_the_candidates_the_eager_rule_keeps(smooth_dir):
+    """The graph's rescoring (no compile needed to run it) against quant_torch.rescore on the same coarse logits: rows
+    penalised or not, each keeping the tokens within its own margin of its penalised best, by token id, the model's
+    head rows scoring them (within bf16 rounding); a row keeping more than CANDIDATES keeps its CANDIDATES best."""
+    lm = _on_grid(load_model(str(smooth_dir), dtype="float32"))
+    fwd = TorchForward.of(FusedDecoder.of(lm.model))
+    graph = quant_ring._Graph(fwd)
+    gen = torch.Generator().manual_seed(4)
+    B, (V, H) = 4, fwd.rows.shape
+    h = (torch.randn((B, H), generator=gen) * 3).bfloat16()
+    coarse = fwd.head(h).float()  # [B, V]
+    counts = [(torch.rand(V, generator=gen) < 0.3).to(torch.int32) for _ in range(B)]
+    for b in range(B):  # each row's best counted: its penalty moves what it keeps
+        counts[b][coarse[b].topk(4).indices] = 1
+    counts[1] = None
+    thetas, belows = [1.5, 1.0, 0.8, 1.5], [1.6, 3.3, 2.6, 1e9]
+    want = quant_torch.rescore(coarse, counts, h, fwd.rows, thetas, belows)  # [B, V]
+    table = torch.stack([torch.zeros(V, dtype=torch.int32) if c is None else c for c in counts])
+    ids, logits = graph.rescore(h, coarse, table, torch.tensor(thetas)[:, None], torch.tensor(belows)[:, None],
+                                fwd.rows)
+    assert torch.equal(ids, ids.sort(dim=-1).values)
+    for b in range(3):
+        kept = (want[b] > float("-inf")).nonzero()[:, 0]
+        assert 1 < len(kept) < quant_ring.CANDIDATES, b  # a margin that keeps some, not all
+        assert torch.equal(ids[b][logits[b] > float("-inf")], kept), b
+        assert torch.allclose(logits[b][logits[b] > float("-inf")], want[b, kept], rtol=2 ** -7, atol=1e-3), b
+    c = torch.where(counts[3] > 0, torch.where(coarse[3] > 0, coarse[3] / 1.5, coarse[3] * 1.5), coarse[3])
+    assert torch.equal(ids[3], c.topk(quant_ring.CANDIDATES).indices.sort().values) and (logits[3] > -1e30).all()
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +144,12 @@ def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(c
 
 def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_is_freed(smooth_dir, monkeypatch):
     """Two sequences of different lengths drafted through one compiled call a depth, each ring keyed by its owner:
-    each one's logits are the torch draft's over its own cache (2%, as above). Once an owner is gone its ring is freed
+    each one's candidates are the torch draft's over its own cache (_near). Once an owner is gone its ring is freed
     and the other moves into its place; a new owner gets a ring of its own; one package for one sequence and one for
     several, for every ring length."""
     monkeypatch.setattr(quant_torch, "SINKS", 2)
     monkeypatch.setattr(quant_torch, "WINDOW", 12)
-    monkeypatch.setattr(quant_ring, "FIRST_SPAN", 4)
+    monkeypatch.setattr(quant_ring, "SPAN_STEP", 4)
     lm = _on_grid(load_model(str(smooth_dir), dtype="float32"))
     runners = []
     for prompt in (PROMPT, PROMPT[3:9]):
@@ -131,12 +170,11 @@ def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_i
     def draft(owners, rs, tokens):
         caches, n = [r.cache for r in rs], [r.cache.length for r in rs]
         ring.begin(caches, n, 3, owners)
-        got = [ring.logits(i, [t] * len(rs), *(e * len(rs) for e in every)) for i, t in enumerate(tokens)]
+        got = [ring.candidates(i, [t] * len(rs), *(e * len(rs) for e in every)) for i, t in enumerate(tokens)]
         for b, r in enumerate(rs):  # each alone through the torch draft over its own cache
             fwd.begin([r.cache], [n[b]], 3)
             for i, t in enumerate(tokens):
-                want = fwd.logits(i, [t], *every)[0]
-                assert (got[i][b] - want).abs().max() <= 0.02 * want.abs().max(), (b, i)
+                _near(got[i][0][b], got[i][1][b], fwd.logits(i, [t], *every)[0], (b, i))
 
     a, b = Owner(), Owner()
     draft([a, b], runners, [65, 70, 75])

@@ -144,6 +144,25 @@ def test_sparse_noise_picks_exactly_what_full_noise_rows_pick(kw):
     assert torch.equal(sample(processed, 11, positions), dense)
 
 
+@pytest.mark.parametrize("kw", [{"min_p": 0.2}, {"top_k": 3}, {}])
+def test_a_rows_candidates_pick_what_its_whole_row_picks(kw):
+    """sample over a few columns standing for token ids (a draft's candidates, ascending; the rest -inf): the token
+    the whole row gives at the same position, noise drawn at the ids, not the columns."""
+    from specrun.decoding.verify.sampling import sample
+
+    g = torch.Generator().manual_seed(2)
+    T, V, C = 30, 300, 24
+    ids = torch.stack([torch.randperm(V, generator=g)[:C].sort().values for _ in range(T)])  # [T, C]
+    logits = torch.full((T, V), float("-inf"), dtype=torch.float64)
+    logits.scatter_(1, ids, torch.randn(T, C, generator=g, dtype=torch.float64) * 3)
+    p = SamplingParams(temperature=0.9, **kw)
+    processed = process_logits(logits, None, p)
+    positions = torch.randint(0, 50, (T,), generator=g)
+    whole = sample(processed, 11, positions)
+    assert torch.equal(sample(processed.gather(1, ids), 11, positions, ids), whole)
+    assert not torch.equal(sample(processed.gather(1, ids), 11, positions), whole)  # columns as tokens: other picks
+
+
 def test_sparse_noise_breaks_ties_at_the_first_column_as_argmax_does(monkeypatch):
     from specrun.decoding.verify import sampling
 

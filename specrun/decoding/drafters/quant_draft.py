@@ -22,8 +22,8 @@ from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
 from specrun.decoding.forward.runner import ModelRunner
-from specrun.decoding.kernels.cpu_kernels import cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams, ar_choice
+from specrun.decoding.kernels.cpu_kernels import argmax_rows, cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams, ar_choice, kernel_sampling, process_logits, sample
 from specrun.decoding.verify.trie import Draft, DraftContext
 
 # the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the
@@ -107,6 +107,11 @@ class KernelForward:
         return torch.cat([kernels.rescore(coarse[b : b + 1], n, h[b : b + 1], self.rows, theta, below)[0]
                           for b, (n, theta, below) in enumerate(zip(counts, thetas, belows))])
 
+    def candidates(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
+                   ) -> tuple[torch.Tensor, None]:
+        """logits(...) as draft_chains reads a forward's candidates: every column its token (ids None)."""
+        return self.logits(i, tokens, counts, thetas, belows), None
+
 
 def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
     """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
@@ -162,14 +167,38 @@ class KVView:
     length: int
 
 
-def pick(logits: torch.Tensor, counts: torch.Tensor | None, params: SamplingParams, position: int) -> int:
-    """AR's token from these logits at `position`, the penalty on the tokens counted (counts > 0).
+def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], positions: list[int],
+         ids: torch.Tensor | None = None) -> list[int]:
+    """Each row's AR token from these logits at its position, the penalty on the tokens its counts count (> 0); ids:
+    the token of each column, ascending (a compiled draft's candidates), else column j is token j. Rows of the same
+    settings go through one call (torch's ~30 small ops, not a row's each); a row our sampling kernel takes goes alone
+    (it reads one row's counts). Each row's pick is the one it gets alone.
 
-    # logits: [1, V] float32, counts: [V] int32 or None
+    # logits: [B, C] float32, counts[b]: [V] int32 or None, ids: [B, C] long
     """
-    choice, _ = ar_choice(logits, params, torch.tensor([position]), lambda: (counts, None),
-                          lambda: None if counts is None else (counts > 0)[None])
-    return int(choice[0])
+    out = [0] * len(params)
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(params):
+        if ids is None and kernel_sampling(p, logits):
+            choice, _ = ar_choice(logits[b : b + 1], p, torch.tensor([positions[b]]), lambda n=counts[b]: (n, None),
+                                  lambda: None)
+            out[b] = int(choice[0])
+        else:
+            groups.setdefault((p, counts[b] is None), []).append(b)
+    for (p, none), rows in groups.items():
+        at = None if ids is None else ids[rows]  # [G, C]
+        present = None if none else torch.stack([counts[b] > 0 if at is None else counts[b][at[j]] > 0
+                                                 for j, b in enumerate(rows)])  # [G, C]
+        where = torch.tensor([positions[b] for b in rows])
+        if at is None:
+            choice, _ = ar_choice(logits[rows], p, where, lambda: (None, None), lambda got=present: got)
+        else:
+            processed = process_logits(logits[rows], present, p)
+            choice = at.gather(1, argmax_rows(processed)[:, None])[:, 0] if p.greedy \
+                else sample(processed, p.seed, where, at)
+        for b, token in zip(rows, choice.tolist()):
+            out[b] = token
+    return out
 
 
 def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list[tuple[object, DraftContext]], k: int,
@@ -187,9 +216,9 @@ def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list
     forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k, owners)
     chains = [[c.root] for c in ctxs]
     for i in range(k):
-        logits = forward.logits(i, [chain[-1] for chain in chains], counts, thetas, belows)  # [B, V]
-        for b, (chain, c) in enumerate(zip(chains, ctxs)):
-            token = pick(logits[b : b + 1], counts[b], c.params, c.position + i + 1)
+        logits, ids = forward.candidates(i, [chain[-1] for chain in chains], counts, thetas, belows)  # [B, C] each
+        picks = pick(logits, counts, [c.params for c in ctxs], [c.position + i + 1 for c in ctxs], ids)
+        for b, (chain, token) in enumerate(zip(chains, picks)):
             chain.append(token)
             if tallies[b] is not None:
                 tallies[b][token] += 1

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from specrun.decoding.drafters import quant_torch, ring_package
-from specrun.decoding.drafters.quant_torch import BF16, TorchForward, rescore
+from specrun.decoding.drafters.quant_torch import BF16, TorchForward
 from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
@@ -24,9 +24,12 @@ RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft
 # inductor: a value read twice (the rotated query) stored, not recomputed inside the loop over keys (inlined, the
 # query's RoPE ran once per key and head)
 OPTIONS = {"realize_reads_threshold": 1}
+CANDIDATES = 64  # a drafted token's candidates: the best of the penalised 4-bit logits, rescored by the model's own
+# head rows in the graph (the eager draft keeps every token within its margin: ~40 a row on smollm2, sampled)
 _ROWS = {False: (1,), True: (1, 0)}  # the packages warm(batched) needs: one sequence a call, and several (rows 0)
-FIRST_SPAN = 512  # ring slots past the sinks for a new sequence, doubled (and synced anew) as its text outgrows them, up
-# to WINDOW + RESERVE: a short text's draft reads a short ring (one package for every size: the ring's length is dynamic)
+SPAN_STEP = 128  # ring slots past the sinks come in steps of this many: a new sequence's ring holds one step, and it
+# grows a step at a time (synced anew) as its text outgrows it, up to WINDOW + RESERVE. Every slot is attended (masked
+# where empty), so a ring no longer than its text is a draft that reads only what it needs
 
 
 class _Graph(torch.nn.Module):
@@ -39,11 +42,14 @@ class _Graph(torch.nn.Module):
         self.nq, self.nkv, self.D, self.inter = dec.n_q, dec.n_kv, dec.head_dim, dec.inter
         self.layers = torch.nn.ModuleList(fwd.layers)  # quant_torch's modules: the same tensors, no copy
         self.norm, self.head = fwd.norm, fwd.head
+        self.candidates = min(CANDIDATES, fwd.rows.shape[0])
         self.options = OPTIONS
 
-    def forward(self, x, cos, sin, K, V, mask):
-        """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf)
-        -> h: [B, H] bf16, coarse: [B, V'] float32, k, v: [B, Lyr, Hkv, D] bf16 (these tokens')"""
+    def forward(self, x, cos, sin, K, V, mask, counts, theta, below, rows):
+        """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf),
+        counts: [B, V] int32, theta/below: [B, 1] float32, rows: [V, H] bf16 (the model's head)
+        -> ids: [B, C] long ascending, logits: [B, C] float32 (-inf: not a candidate), k, v: [B, Lyr, Hkv, D] bf16
+        (these tokens')"""
         nq, nkv, D = self.nq, self.nkv, self.D
         B = x.shape[0]
         ks, vs = [], []
@@ -63,7 +69,18 @@ class _Graph(torch.nn.Module):
             ks.append(k)
             vs.append(v)
         h = self.norm(x)
-        return h, self.head(h).float(), torch.stack(ks, 1), torch.stack(vs, 1)
+        ids, logits = self.rescore(h, self.head(h).float(), counts, theta, below, rows)
+        return ids, logits, torch.stack(ks, 1), torch.stack(vs, 1)
+
+    def rescore(self, h, coarse, counts, theta, below, rows):
+        """quant_torch.rescore's rule on the best `candidates` of each row: the tokens whose penalised coarse logit is
+        within `below` of the row's best get h . rows[v], by token id. # -> ids [B, C] long, logits [B, C] float32"""
+        c = torch.where(counts > 0, torch.where(coarse > 0, coarse / theta, coarse * theta), coarse)
+        best, ids = c.topk(self.candidates, dim=-1)  # [B, C] descending
+        keep = best >= best[:, :1] - below
+        ids, order = ids.sort(dim=-1)  # the token order: ties pick as over the whole vocabulary
+        exact = (rows[ids].float() * h.float()[:, None]).sum(-1).to(BF16).float()  # [B, C], rounded as the eager head
+        return ids, exact.masked_fill(~keep.gather(1, order), float("-inf"))
 
 
 class RingForward:
@@ -141,16 +158,18 @@ class RingForward:
     def _example(self, B: int) -> tuple:
         """Inputs of the graph's shapes for B sequences (zeros: the export traces shapes, not values)."""
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
+        head = self.fwd.rows  # [V, H]
         with torch.inference_mode():
             k = torch.zeros((B, *self.k.shape[1:3], min(self.k.shape[3], 16), D), dtype=BF16)
             cos = torch.ones((B, 1, D), dtype=BF16)
             return (torch.zeros((B, H), dtype=BF16), cos, torch.zeros_like(cos), k, torch.zeros_like(k),
-                    torch.zeros((B, k.shape[3])))
+                    torch.zeros((B, k.shape[3])), torch.zeros((B, head.shape[0]), dtype=torch.int32),
+                    torch.ones((B, 1)), torch.ones((B, 1)), head)
 
     def start(self) -> None:
         """Forget every sequence: one empty ring of the first size."""
         self.owners: list = []
-        self._alloc(min(FIRST_SPAN, self.full), 1)
+        self._alloc(min(SPAN_STEP, self.full), 1)
 
     @torch.inference_mode()
     def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
@@ -160,8 +179,8 @@ class RingForward:
         self._free()
         rows = [self._ring(o, c) for o, c in zip(owners, caches)]
         need, span = max(c.length for c in caches) + k, self.span
-        while span < self.full and need > self.sinks + span:  # a draft would wrap: longer rings, synced anew
-            span = min(2 * span, self.full)
+        if span < self.full and need > self.sinks + span:  # a draft would wrap: longer rings, synced anew
+            span = min(-(-(need - self.sinks) // SPAN_STEP) * SPAN_STEP, self.full)
         if span != self.span:
             self._alloc(span, len(self.owners))
         for r, c in zip(rows, caches):
@@ -229,35 +248,40 @@ class RingForward:
         return (p >= 0) & (p < n) & ((p < self.sinks) | (p >= n + 1 - self.window))
 
     @torch.inference_mode()
-    def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]) -> torch.Tensor:
-        """# counts[b]: [V] int32 or None -> [B, V] float32, each sequence's draft logits after its i-th token (-inf
-        outside the candidates)"""
+    def candidates(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's draft candidates after its i-th token (quant_torch.rescore's rule, on the best CANDIDATES).
+
+        # counts[b]: [V] int32 or None -> logits [B, C] float32 (-inf: not a candidate), ids [B, C] long ascending
+        """
         B, rows = len(tokens), self.rows
         n = self.lengths + i  # [B] these tokens' positions
         K, V = (self.k, self.v) if self.whole else (self.k[rows], self.v[rows])  # [B, Lyr, Hkv, R, D]
         mask = torch.zeros(B, K.shape[3]).masked_fill_(~self._visible(self.pos[rows], n[:, None]), float("-inf"))
         x = self.dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
         cos, sin = (t[:, i].contiguous() for t in (self.fwd.cos, self.fwd.sin))  # [B, 1, D]
-        h, coarse, k, v = self._call((x, cos, sin, K, V, mask))
+        head = self.fwd.rows  # [V, H]
+        table = torch.stack([head.new_zeros(head.shape[0], dtype=torch.int32) if c is None else c for c in counts])
+        theta, below = (torch.tensor(t, dtype=torch.float32)[:, None] for t in (thetas, belows))  # [B, 1]
+        ids, logits, k, v = self._call((x, cos, sin, K, V, mask, table, theta, below), head)
         s = self.slot(n)
         self.k[rows, :, :, s] = k
         self.v[rows, :, :, s] = v
         self.pos[rows, s] = n
         self.calls += B
-        return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.fwd.rows, thetas[b], belows[b])
-                          for b in range(B)])
+        return logits, ids
 
-    def _call(self, args: tuple) -> tuple:
-        """The graph over these inputs' B sequences: the one-sequence graph for one, else the several-rows one, in
-        calls of at most MAX_ROWS."""
+    def _call(self, args: tuple, head: torch.Tensor) -> tuple:
+        """The graph over these inputs' B sequences (and the model's head rows): the one-sequence graph for one, else
+        the several-rows one, in calls of at most MAX_ROWS."""
         if args[0].shape[0] == 1:
-            return self.fn(*args)
+            return self.fn(*args, head)
         if self.fn_rows is None:  # the one-sequence package takes one row, and does not check
             raise RuntimeError("the compiled draft was warmed for one sequence a call, not several")
         outs = []
         for a in range(0, args[0].shape[0], ring_package.MAX_ROWS):
             part = tuple(t[a : a + ring_package.MAX_ROWS] for t in args)
-            outs.append(self._fn(1 if part[0].shape[0] == 1 else 0)(*part))
+            outs.append(self._fn(1 if part[0].shape[0] == 1 else 0)(*part, head))
         return outs[0] if len(outs) == 1 else tuple(torch.cat(parts) for parts in zip(*outs))
 
 

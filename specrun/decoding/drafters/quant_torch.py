@@ -104,19 +104,26 @@ class _Layer(torch.nn.Module):
         self.k_norm = None if L.k_norm is None else _Norm(L.k_norm)
 
 
-def rescore(coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor, theta: float,
-            below: float) -> torch.Tensor:
-    """h's logits by the model's own head rows for the tokens whose penalised coarse logit (theta on the tokens
-    counted) is at least the best one less `below`, -inf for the rest (cpu_kernels.c rescore_bf16's rule).
+def rescore(coarse: torch.Tensor, counts: list, h: torch.Tensor, rows: torch.Tensor, thetas: list[float],
+            belows: list[float]) -> torch.Tensor:
+    """Each row's logits by the model's own head rows for the tokens whose penalised coarse logit (thetas[b] on the
+    tokens counts[b] counts) is at least its best one less belows[b], -inf for the rest (cpu_kernels.c rescore_bf16's
+    rule). One product for every row's candidates at once (a batched draft's rows cost small ops per depth, not per row).
 
-    # coarse: [1, V] float32, counts: [V] int32 or None, h: [1, H], rows: [V, H] -> [1, V] float32
+    # coarse: [B, V] float32, counts[b]: [V] int32 or None, h: [B, H], rows: [V, H] -> [B, V] float32
     """
-    c = coarse[0]
-    if counts is not None and theta != 1.0:
-        c = torch.where(counts > 0, torch.where(c > 0, c / theta, c * theta), c)
-    keep = (c >= c.max() - below).nonzero()[:, 0]  # [C]
+    c = coarse
+    for b, (n, theta) in enumerate(zip(counts, thetas)):
+        if n is not None and theta != 1.0:  # the tokens counted alone: a window's few hundred, not the vocabulary
+            c = coarse.clone() if c is coarse else c
+            at = n.nonzero()[:, 0]
+            v = c[b, at]
+            c[b, at] = torch.where(v > 0, v / theta, v * theta)
+    keep = c >= c.amax(1, keepdim=True) - torch.tensor(belows, dtype=c.dtype)[:, None]  # [B, V]
+    ids = keep.any(0).nonzero()[:, 0]  # [C]: a candidate of some row
     out = torch.full_like(coarse, float("-inf"))
-    out[0, keep] = (rows[keep] @ h[0].to(rows.dtype)).float()
+    scores = (h.to(rows.dtype) @ rows[ids].T).float()  # [B, C]
+    out[:, ids] = scores.masked_fill_(~keep[:, ids], float("-inf"))
     return out
 
 
@@ -186,8 +193,12 @@ class TorchForward:
             x = mlp_residual(L, x, dec.inter)
         h = self.norm(x)
         coarse = self.head(h).float()  # [B, V]
-        return torch.cat([rescore(coarse[b : b + 1], counts[b], h[b : b + 1], self.rows, thetas[b], belows[b])
-                          for b in range(B)])
+        return rescore(coarse, counts, h, self.rows, thetas, belows)
+
+    def candidates(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
+                   ) -> tuple[torch.Tensor, None]:
+        """logits(...) as draft_chains reads a forward's candidates: every column its token (ids None)."""
+        return self.logits(i, tokens, counts, thetas, belows), None
 
     @staticmethod
     def _attend(cache, layer: int, q: torch.Tensor, n: int, scaling: float) -> torch.Tensor:

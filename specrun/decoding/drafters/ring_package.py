@@ -80,7 +80,7 @@ def path(graph: torch.nn.Module, rows: int, max_keys: int) -> Path:
 
 
 def load(where: Path):
-    """The package's callable (x, cos, sin, K, V, mask) -> (h, coarse, k, v), or None where there is none or where the
+    """The package's callable (quant_ring._Graph.forward's inputs and outputs), or None where there is none or where the
     file is damaged (removed, to be built again). A sound file that does not load here raises (the caller drafts
     eagerly): another process, or host, may load it."""
     if not where.is_file():
@@ -109,7 +109,7 @@ def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, wher
     keys = torch.export.Dim("R", min=2, max=max_keys)
     seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
     dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: keys}, "V": {0: seqs, 3: keys},
-            "mask": {0: seqs, 1: keys}}
+            "mask": {0: seqs, 1: keys}, "counts": {0: seqs}, "theta": {0: seqs}, "below": {0: seqs}, "rows": None}
     with torch.inference_mode():
         program = torch.export.export(graph, example, dynamic_shapes=dims)
     where.parent.mkdir(parents=True, exist_ok=True)

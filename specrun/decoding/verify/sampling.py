@@ -193,23 +193,28 @@ def choose(processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     return argmax_rows(processed + noise.to(processed.dtype))
 
 
-def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor, ids: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """Gumbel-max for rows sampled at the given absolute positions; the same tokens as choose() with full noise rows.
+    ids: the token each column stands for, ascending along a row (a draft's candidates; the rest of the vocabulary
+    dropped), else column j is token j.
 
     Truncation (top-k/top-p/min-p/eta) usually keeps a handful of tokens: noise is then drawn for those alone.
-    # processed: [T, V] (-inf = dropped), positions: [T] long -> [T] long
+    # processed: [T, V] (-inf = dropped), positions: [T] long, ids: [T, V] long -> [T] long (token ids)
     """
     T, V = processed.shape
     rows, cols = (processed > float("-inf")).nonzero(as_tuple=True)  # row-major: each row's columns ascending
-    if rows.numel() * 4 > processed.numel():  # little truncated: whole noise rows, one per distinct position
+    if ids is None and rows.numel() * 4 > processed.numel():  # little truncated: whole noise rows, one per position
         uniq, inverse = torch.unique(positions, return_inverse=True)
         return choose(processed, gumbel_noise(seed, uniq, V)[inverse])
-    # argmax over the kept entries alone (the dropped ones are -inf), first column among equals as argmax picks
-    scores = processed[rows, cols] + gumbel_at(seed, positions[rows], cols).to(processed.dtype)  # [N]
+    # argmax over the kept entries alone (the dropped ones are -inf), the first token among equals as argmax picks
+    tokens = cols if ids is None else ids[rows, cols]
+    none = V if ids is None else int(ids.max()) + 1  # a row with nothing kept
+    scores = processed[rows, cols] + gumbel_at(seed, positions[rows], tokens).to(processed.dtype)  # [N]
     best = scores.new_full((T,), float("-inf")).scatter_reduce_(0, rows, scores, "amax")  # [T]
-    firsts = torch.where(scores == best[rows], cols, V)
-    picked = cols.new_full((T,), V).scatter_reduce_(0, rows, firsts, "amin")
-    return picked.masked_fill_(picked == V, 0)  # a row with nothing kept (NaN logits): token 0, as argmax gives
+    firsts = torch.where(scores == best[rows], tokens, none)
+    picked = tokens.new_full((T,), none).scatter_reduce_(0, rows, firsts, "amin")
+    return picked.masked_fill_(picked == none, 0)  # a row with nothing kept (NaN logits): token 0, as argmax gives
 
 
 def kernel_sampling(p: SamplingParams, logits: torch.Tensor) -> bool:
