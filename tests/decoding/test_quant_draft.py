@@ -378,8 +378,8 @@ def test_a_depths_rows_are_each_picked_as_alone():
     counts[3] = None
     positions = [10, 11, 12, 40, 41, 10]
     got = pick(logits, counts, params, positions)
-    want = [int(ar_choice(logits[b : b + 1], params[b], torch.tensor([positions[b]]), lambda: (counts[b], None),
-                          lambda: None if counts[b] is None else (counts[b] > 0)[None])[0][0]) for b in range(B)]
+    want = [int(ar_choice(logits[b : b + 1], params[b], torch.tensor([positions[b]]), lambda n=n: (n, None),
+                          lambda n=n: None if n is None else (n > 0)[None])[0][0]) for b, n in enumerate(counts)]
     assert got == want
     assert got != pick(logits, [None] * B, params, positions)  # the counts do move picks
     # the same rows as a compiled draft's candidates: 40 columns a row standing for token ids, its best among them

@@ -107,11 +107,6 @@ class KernelForward:
         return torch.cat([kernels.rescore(coarse[b : b + 1], n, h[b : b + 1], self.rows, theta, below)[0]
                           for b, (n, theta, below) in enumerate(zip(counts, thetas, belows))])
 
-    def candidates(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
-                   ) -> tuple[torch.Tensor, None]:
-        """logits(...) as draft_chains reads a forward's candidates: every column its token (ids None)."""
-        return self.logits(i, tokens, counts, thetas, belows), None
-
 
 def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
     """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
@@ -170,18 +165,19 @@ class KVView:
 def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], positions: list[int],
          ids: torch.Tensor | None = None) -> list[int]:
     """Each row's AR token from these logits at its position, the penalty on the tokens its counts count (> 0); ids:
-    the token of each column, ascending (a compiled draft's candidates), else column j is token j. Rows of the same
-    settings go through one call (torch's ~30 small ops, not a row's each); a row our sampling kernel takes goes alone
-    (it reads one row's counts). Each row's pick is the one it gets alone.
+    the token of each column, ascending (a greedy row's argmax then picks the first token among equals, as over the
+    vocabulary), else column j is token j. Rows of the same settings go through one call (torch's ~30 small ops, not a
+    row's each); a row our sampling kernel takes goes alone (it reads one row's counts). Each row's pick is its own.
 
-    # logits: [B, C] float32, counts[b]: [V] int32 or None, ids: [B, C] long
+    # logits: [B, C] float32, counts[b]: [V] int32 or None, ids: [B, C] long -> B token ids
     """
     out = [0] * len(params)
     groups: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
         if ids is None and kernel_sampling(p, logits):
-            choice, _ = ar_choice(logits[b : b + 1], p, torch.tensor([positions[b]]), lambda n=counts[b]: (n, None),
-                                  lambda: None)
+            n = counts[b]  # the kernel's input, and the presence of torch's path where it gives a NaN row back
+            choice, _ = ar_choice(logits[b : b + 1], p, torch.tensor([positions[b]]), lambda n=n: (n, None),
+                                  lambda n=n: None if n is None else (n > 0)[None])
             out[b] = int(choice[0])
         else:
             groups.setdefault((p, counts[b] is None), []).append(b)
@@ -216,7 +212,9 @@ def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list
     forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k, owners)
     chains = [[c.root] for c in ctxs]
     for i in range(k):
-        logits, ids = forward.candidates(i, [chain[-1] for chain in chains], counts, thetas, belows)  # [B, C] each
+        # a compiled draft's candidates [B, C] at token ids [B, C]; the others' logits [B, V], every column its token
+        args = (i, [chain[-1] for chain in chains], counts, thetas, belows)
+        logits, ids = forward.candidates(*args) if isinstance(forward, RingForward) else (forward.logits(*args), None)
         picks = pick(logits, counts, [c.params for c in ctxs], [c.position + i + 1 for c in ctxs], ids)
         for b, (chain, token) in enumerate(zip(chains, picks)):
             chain.append(token)

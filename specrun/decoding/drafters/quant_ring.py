@@ -1,10 +1,10 @@
 """The quantized self-draft's forward compiled ahead of time by inductor: one graph a drafted token, over a bf16 ring
 of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
 
-RingForward(torch_forward) keeps TorchForward's contract (start, begin, logits) for one sequence or a batch, a ring
-each; warm() loads its packages (ring_package.py), building them where they are not cached. A ring is synced from its
-sequence's cache at each begin (the committed slots it has not copied yet); the draft's own K/V go in the ring only,
-never in the target's cache. Its tokens are proposals: the verify decides (I1).
+RingForward(torch_forward) drafts as TorchForward (start, begin; candidates, each row's best CANDIDATES, for logits)
+for one sequence or a batch, a ring each; warm() loads its packages (ring_package.py), building them where they are
+not cached. A ring is synced from its sequence's cache at each begin (the committed slots it has not copied yet); the
+draft's own K/V go in the ring only, never in the target's cache. Its tokens are proposals: the verify decides (I1).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class _Graph(torch.nn.Module):
 
     def forward(self, x, cos, sin, K, V, mask, counts, theta, below, rows):
         """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf),
-        counts: [B, V] int32, theta/below: [B, 1] float32, rows: [V, H] bf16 (the model's head)
-        -> ids: [B, C] long ascending, logits: [B, C] float32 (-inf: not a candidate), k, v: [B, Lyr, Hkv, D] bf16
+        counts: [B, V] int32, theta/below: [B, 1] float32, rows: [V, H] (the model's head, in its dtype)
+        -> logits: [B, C] float32 (-inf: not a candidate), ids: [B, C] long ascending, k, v: [B, Lyr, Hkv, D] bf16
         (these tokens')"""
         nq, nkv, D = self.nq, self.nkv, self.D
         B = x.shape[0]
@@ -69,18 +69,19 @@ class _Graph(torch.nn.Module):
             ks.append(k)
             vs.append(v)
         h = self.norm(x)
-        ids, logits = self.rescore(h, self.head(h).float(), counts, theta, below, rows)
-        return ids, logits, torch.stack(ks, 1), torch.stack(vs, 1)
+        logits, ids = self.rescore(h, self.head(h).float(), counts, theta, below, rows)
+        return logits, ids, torch.stack(ks, 1), torch.stack(vs, 1)
 
     def rescore(self, h, coarse, counts, theta, below, rows):
-        """quant_torch.rescore's rule on the best `candidates` of each row: the tokens whose penalised coarse logit is
-        within `below` of the row's best get h . rows[v], by token id. # -> ids [B, C] long, logits [B, C] float32"""
+        """quant_torch.rescore's rule on each row's best `candidates`: those whose penalised coarse logit is within
+        `below` of the row's best get h . rows[v], by token id. # h: [B, H], coarse/counts: [B, V], theta/below: [B, 1],
+        rows: [V, H] -> logits [B, C] float32 (-inf: not kept), ids [B, C] long ascending"""
         c = torch.where(counts > 0, torch.where(coarse > 0, coarse / theta, coarse * theta), coarse)
         best, ids = c.topk(self.candidates, dim=-1)  # [B, C] descending
         keep = best >= best[:, :1] - below
         ids, order = ids.sort(dim=-1)  # the token order: ties pick as over the whole vocabulary
-        exact = (rows[ids].float() * h.float()[:, None]).sum(-1).to(BF16).float()  # [B, C], rounded as the eager head
-        return ids, exact.masked_fill(~keep.gather(1, order), float("-inf"))
+        exact = (rows[ids].float() * h.float()[:, None]).sum(-1).to(rows.dtype).float()  # [B, C], as the eager head
+        return exact.masked_fill(~keep.gather(1, order), float("-inf")), ids
 
 
 class RingForward:
@@ -263,7 +264,7 @@ class RingForward:
         head = self.fwd.rows  # [V, H]
         table = torch.stack([head.new_zeros(head.shape[0], dtype=torch.int32) if c is None else c for c in counts])
         theta, below = (torch.tensor(t, dtype=torch.float32)[:, None] for t in (thetas, belows))  # [B, 1]
-        ids, logits, k, v = self._call((x, cos, sin, K, V, mask, table, theta, below), head)
+        logits, ids, k, v = self._call((x, cos, sin, K, V, mask, table, theta, below), head)
         s = self.slot(n)
         self.k[rows, :, :, s] = k
         self.v[rows, :, :, s] = v

@@ -195,11 +195,6 @@ class TorchForward:
         coarse = self.head(h).float()  # [B, V]
         return rescore(coarse, counts, h, self.rows, thetas, belows)
 
-    def candidates(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
-                   ) -> tuple[torch.Tensor, None]:
-        """logits(...) as draft_chains reads a forward's candidates: every column its token (ids None)."""
-        return self.logits(i, tokens, counts, thetas, belows), None
-
     @staticmethod
     def _attend(cache, layer: int, q: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
         """q over slots [0, SINKS) and the last WINDOW of [0, n) (all of them while n <= SINKS + WINDOW).

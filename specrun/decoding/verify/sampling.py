@@ -196,8 +196,8 @@ def choose(processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
 def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor, ids: torch.Tensor | None = None
            ) -> torch.Tensor:
     """Gumbel-max for rows sampled at the given absolute positions; the same tokens as choose() with full noise rows.
-    ids: the token each column stands for, ascending along a row (a draft's candidates; the rest of the vocabulary
-    dropped), else column j is token j.
+    ids: the token each column stands for (a draft's candidates; the rest of the vocabulary dropped), else column j is
+    token j.
 
     Truncation (top-k/top-p/min-p/eta) usually keeps a handful of tokens: noise is then drawn for those alone.
     # processed: [T, V] (-inf = dropped), positions: [T] long, ids: [T, V] long -> [T] long (token ids)
