@@ -22,8 +22,8 @@ from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
 from specrun.decoding.forward.runner import ModelRunner
-from specrun.decoding.kernels.cpu_kernels import argmax_rows, cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams, ar_choice, kernel_sampling, process_logits, sample
+from specrun.decoding.kernels.cpu_kernels import cpu_kernels
+from specrun.decoding.verify.sampling import SamplingParams, ar_choice, kernel_sampling
 from specrun.decoding.verify.trie import Draft, DraftContext
 
 # the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the
@@ -165,33 +165,26 @@ class KVView:
 def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], positions: list[int],
          ids: torch.Tensor | None = None) -> list[int]:
     """Each row's AR token from these logits at its position, the penalty on the tokens its counts count (> 0); ids:
-    the token of each column, ascending (a greedy row's argmax then picks the first token among equals, as over the
-    vocabulary), else column j is token j. Rows of the same settings go through one call (torch's ~30 small ops, not a
-    row's each); a row our sampling kernel takes goes alone (it reads one row's counts). Each row's pick is its own.
+    the token of each column, ascending (a compiled draft's candidates: ar_choice's), else column j is token j. Rows of
+    the same settings go through one ar_choice (torch's ~30 small ops, not a row's each); a row our sampling kernel
+    takes goes alone (it reads one row's counts). Each row's pick is its own.
 
     # logits: [B, C] float32, counts[b]: [V] int32 or None, ids: [B, C] long -> B token ids
     """
     out = [0] * len(params)
-    groups: dict[tuple, list[int]] = {}
-    for b, p in enumerate(params):
-        if ids is None and kernel_sampling(p, logits):
-            n = counts[b]  # the kernel's input, and the presence of torch's path where it gives a NaN row back
-            choice, _ = ar_choice(logits[b : b + 1], p, torch.tensor([positions[b]]), lambda n=n: (n, None),
-                                  lambda n=n: None if n is None else (n > 0)[None])
-            out[b] = int(choice[0])
-        else:
-            groups.setdefault((p, counts[b] is None), []).append(b)
-    for (p, none), rows in groups.items():
-        at = None if ids is None else ids[rows]  # [G, C]
-        present = None if none else torch.stack([counts[b] > 0 if at is None else counts[b][at[j]] > 0
-                                                 for j, b in enumerate(rows)])  # [G, C]
-        where = torch.tensor([positions[b] for b in rows])
-        if at is None:
-            choice, _ = ar_choice(logits[rows], p, where, lambda: (None, None), lambda got=present: got)
-        else:
-            processed = process_logits(logits[rows], present, p)
-            choice = at.gather(1, argmax_rows(processed)[:, None])[:, 0] if p.greedy \
-                else sample(processed, p.seed, where, at)
+    groups: dict[object, list[int]] = {}
+    for b, p in enumerate(params):  # a kernel's row alone, else with the rows of its settings
+        groups.setdefault(b if ids is None and kernel_sampling(p, logits) else (p, counts[b] is None), []).append(b)
+    for rows in groups.values():
+        at, ns = None if ids is None else ids[rows], [counts[b] for b in rows]  # [G, C], the rows' counts
+
+        def present(at=at, ns=ns) -> torch.Tensor | None:  # [G, C] bool: built where torch's path runs
+            if ns[0] is None:
+                return None
+            return torch.stack([n > 0 for n in ns] if at is None else [n[a] > 0 for n, a in zip(ns, at)])
+
+        choice, _ = ar_choice(logits[rows], params[rows[0]], torch.tensor([positions[b] for b in rows]),
+                              lambda ns=ns: (ns[0], None), present, at)
         for b, token in zip(rows, choice.tolist()):
             out[b] = token
     return out
@@ -211,11 +204,12 @@ def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list
     tallies = [None if n is None else n.numpy() for n in counts]  # counts' memory: a tensor op a token cost ~15 us
     forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k, owners)
     chains = [[c.root] for c in ctxs]
+    params = [c.params for c in ctxs]
     for i in range(k):
         # a compiled draft's candidates [B, C] at token ids [B, C]; the others' logits [B, V], every column its token
         args = (i, [chain[-1] for chain in chains], counts, thetas, belows)
         logits, ids = forward.candidates(*args) if isinstance(forward, RingForward) else (forward.logits(*args), None)
-        picks = pick(logits, counts, [c.params for c in ctxs], [c.position + i + 1 for c in ctxs], ids)
+        picks = pick(logits, counts, params, [c.position + i + 1 for c in ctxs], ids)
         for b, (chain, token) in enumerate(zip(chains, picks)):
             chain.append(token)
             if tallies[b] is not None:

@@ -209,7 +209,7 @@ def sample(processed: torch.Tensor, seed: int, positions: torch.Tensor, ids: tor
         return choose(processed, gumbel_noise(seed, uniq, V)[inverse])
     # argmax over the kept entries alone (the dropped ones are -inf), the first token among equals as argmax picks
     tokens = cols if ids is None else ids[rows, cols]
-    none = V if ids is None else int(ids.max()) + 1  # a row with nothing kept
+    none = V if ids is None else torch.iinfo(ids.dtype).max  # a row with nothing kept
     scores = processed[rows, cols] + gumbel_at(seed, positions[rows], tokens).to(processed.dtype)  # [N]
     best = scores.new_full((T,), float("-inf")).scatter_reduce_(0, rows, scores, "amax")  # [T]
     firsts = torch.where(scores == best[rows], tokens, none)
@@ -227,16 +227,22 @@ def kernel_sampling(p: SamplingParams, logits: torch.Tensor) -> bool:
 
 def ar_choice(logits: torch.Tensor, p: SamplingParams, positions: torch.Tensor,
               kernel_inputs: Callable[[], tuple[torch.Tensor | None, Patches | None]],
-              presence: Callable[[], torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+              presence: Callable[[], torch.Tensor | None], ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """AR's token for each row of logits at its position, and the processed rows: our kernel where it takes them
     (kernel_inputs() -> its counts and patches), else process_logits with presence() then argmax or Gumbel-max.
-    The inputs are callables: each path builds only its own. # logits: [T, V], positions: [T] long -> [T], [T, V]"""
-    if kernel_sampling(p, logits):
+    ids: the token of each column, ascending (a draft's candidates: the first token among equals as over the
+    vocabulary; torch's path), else column j is token j. The inputs are callables: each path builds only its own.
+    # logits: [T, V], positions: [T] long, ids: [T, V] long -> [T] token ids, [T, V]"""
+    if ids is None and kernel_sampling(p, logits):
         done = sample_in_kernel(logits, *kernel_inputs(), p, positions)
         if done is not None:
             return done
     processed = process_logits(logits, presence(), p)
-    return (choose(processed, None) if p.greedy else sample(processed, p.seed, positions)), processed
+    if not p.greedy:
+        return sample(processed, p.seed, positions, ids), processed
+    best = choose(processed, None)
+    return (best if ids is None else ids.gather(1, best[:, None])[:, 0]), processed
 
 
 def sample_in_kernel(logits: torch.Tensor, counts: torch.Tensor | None, patches: Patches | None, p: SamplingParams,
