@@ -147,8 +147,8 @@ def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(c
 def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_is_freed(smooth_dir, monkeypatch):
     """Two sequences of different lengths drafted through one compiled call a depth, each ring keyed by its owner:
     each one's candidates are the torch draft's over its own cache (_near). Once an owner is gone its ring is freed
-    and the other moves into its place; a new owner gets a ring of its own; one package for one sequence and one for
-    several, for every ring length."""
+    and the other moves into its place; a new owner gets a ring of its own; with every owner gone the rings start at
+    their first size again; one package for one sequence and one for several, for every ring length."""
     monkeypatch.setattr(quant_torch, "SINKS", 2)
     monkeypatch.setattr(quant_torch, "WINDOW", 12)
     monkeypatch.setattr(quant_ring, "SPAN_STEP", 4)
@@ -189,6 +189,10 @@ def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_i
     c = Owner()
     draft([b, c], runners[::-1], [68, 73, 78])  # a new sequence over the first cache: a ring of its own, synced
     assert len(ring.owners) == 2 and ring.calls == 3 * (2 + 2 + 1 + 2)
+    assert ring.span > quant_ring.SPAN_STEP  # grown to the longer cache
+    del b, c  # every sequence finished: the next one starts in one ring of the first size
+    draft([Owner()], runners[1:], [69, 74, 79])
+    assert len(ring.owners) == 1 and ring.span == 2 * quant_ring.SPAN_STEP  # grown again only to its own 3 + 6 + 3
     # each package's candidates with penalties and margins of its rows' own: the eager graph's on the same inputs
     gen = torch.Generator().manual_seed(6)
     for B in (1, 3):

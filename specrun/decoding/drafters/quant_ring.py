@@ -211,21 +211,21 @@ class RingForward:
         self.upto[r] = 0
 
     def _free(self) -> None:
-        """Drop the rings whose owners are gone, moving the last rings into their places (one slice stays in use)."""
+        """Drop the rings whose owners are gone, moving the last rings into their places (one slice stays in use); none
+        left: start()."""
         live = [r for r, ref in enumerate(self.owners) if ref is not None and ref() is not None]
         if len(live) == len(self.owners):
             return
-        keep = live or [0]  # none left: one ring, emptied
-        for dst, src in enumerate(keep):
+        if not live:  # a new sequence starts short: the rings' first size (every call attends over the whole span)
+            self.start()
+            return
+        for dst, src in enumerate(live):
             if dst != src:
                 self.k[dst], self.v[dst], self.pos[dst] = self.k[src], self.v[src], self.pos[src]
                 self.upto[dst], self.owners[dst] = self.upto[src], self.owners[src]
-        n = len(keep)
+        n = len(live)
         self.k, self.v, self.pos = self.k[:n].clone(), self.v[:n].clone(), self.pos[:n].clone()
         self.upto, self.owners = self.upto[:n], self.owners[:n]
-        if not live:
-            self.owners[0] = None
-            self._clear(0)
 
     def _sync(self, r: int, cache) -> None:
         """Copy the committed positions ring r lacks (the sinks and those the window can still read)."""
