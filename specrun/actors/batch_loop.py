@@ -1,6 +1,6 @@
 """A worker's batched generation loop: concurrent generate() calls hand it requests and wait for their results.
 
-The worker's compute thread (compute.py) owns the BatchEngine (admission, steps, per-sequence callbacks) while requests
+The worker's compute thread (compute.py) owns the Engine (admission, steps, per-sequence callbacks) while requests
 are in flight; callers only queue and wait, so Ray's actor threads (max_concurrency) turn into sequences of one batch.
 """
 

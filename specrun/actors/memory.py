@@ -96,9 +96,9 @@ def page_size_for(device: str, need: int) -> int:
 
 
 def batch_engine(lm, config, cap: int, need: int, page_size: int, device: str, workers: int = 1, auto: bool = True):
-    """(BatchEngine, N) for up to `cap` sequences of `need` KV slots each, N checked against (or, auto, fitted to) the
+    """(Engine, N) for up to `cap` sequences of `need` KV slots each, N checked against (or, auto, fitted to) the
     KV memory this worker can give; (None, 1) when one sequence at a time is all it gets."""
-    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.decoding.engine import BatchConfig, Engine
     from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 
     if cap == 1:
@@ -113,4 +113,4 @@ def batch_engine(lm, config, cap: int, need: int, page_size: int, device: str, w
         n = cap
     if n == 1:
         return None, 1
-    return BatchEngine(lm, config, BatchConfig(concurrency=n, kv_tokens=n * need, page_size=page_size)), n
+    return Engine(lm, config, BatchConfig(concurrency=n, kv_tokens=n * need, page_size=page_size)), n

@@ -47,7 +47,7 @@ class WorkerSpec:
     threads: int = 0  # torch CPU threads (0 = leave as is)
     job_created_at: float | None = None  # the manifest's created_at: proves a worker sees the driver's job directory
     snapshot_seconds: float = 60.0  # the recycling matrix is written at most this often (a stop always writes it)
-    concurrency: int = 1  # sequences generated at once (> 1: one batched engine, decoding/batch_engine.py)
+    concurrency: int = 1  # sequences generated at once (decoding/engine.py carries them in one step)
     auto_concurrency: bool = False  # concurrency is a cap: load() lowers it to what the KV memory budget holds
     kv_need: int = 0  # KV slots one sequence may need (the job's longest prompt + max_tokens + a trie)
     page_size: int = 1  # the batched engine's KV pages hold this many tokens

@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable
 
 from specrun.bench.neartie import check_divergence
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.engine import EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import resolve_backend
 from specrun.decoding.verify.sampling import SamplingParams
@@ -34,8 +33,8 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     backend = resolve_backend(backend, lm.dtype, lm.device, FusedDecoder.of(lm.model).head_dim)
     page = need if lm.device.type == "cpu" and backend in ("sdpa", "dense") else 16  # as the job driver pages
 
-    def engine(config: EngineConfig, c: int) -> BatchEngine:
-        return BatchEngine(lm, config, BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page, backend=backend))
+    def engine(config: EngineConfig, c: int) -> Engine:
+        return Engine(lm, config, BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page, backend=backend))
 
     jobs = [(name, c) for c in levels for name in configs]
     outputs: list[dict[int, list[int]]] = []  # per row: each prompt's tokens

@@ -15,8 +15,7 @@ import torch
 from specrun.bench.clock import sync as _sync
 from specrun.bench.neartie import check_divergence
 from specrun.bench.roofline import read_bandwidth, step_weight_bytes
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.forward.static_step import StaticStep, bucket_of
@@ -193,18 +192,18 @@ def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens:
     page = 16 if lm.device.type == "cuda" else prompt_len + new_tokens + 65
     out = []
     for backend in backends:  # untimed first: the backend's lazy set-up (the first batched run on an H200 ran at 1/3)
-        BatchEngine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, kv_tokens=2 * (prompt_len + 80),
-                                                                      page_size=page, backend=backend)
-                    ).run([(i, p, dataclasses.replace(params, max_tokens=8), []) for i, p in
-                           enumerate(_prompts(lm, 2, prompt_len))])
+        Engine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, kv_tokens=2 * (prompt_len + 80),
+                                                                  page_size=page, backend=backend)
+               ).run([(i, p, dataclasses.replace(params, max_tokens=8), []) for i, p in
+                     enumerate(_prompts(lm, 2, prompt_len))])
     for backend in backends:
         for c in levels:
             prompts = _prompts(lm, c, prompt_len)
             tokens = {}
             for name, drafters in (("ar", ()), ("spec", ("ngram",))):
-                engine = BatchEngine(lm, EngineConfig(drafters=drafters),
-                                     BatchConfig(concurrency=c, kv_tokens=c * (prompt_len + new_tokens + 65),
-                                                 page_size=page, backend=backend))
+                engine = Engine(lm, EngineConfig(drafters=drafters),
+                                BatchConfig(concurrency=c, kv_tokens=c * (prompt_len + new_tokens + 65),
+                                            page_size=page, backend=backend))
                 _sync(lm.device)
                 t = time.perf_counter()
                 res = engine.run([(i, p, params, []) for i, p in enumerate(prompts)])

@@ -158,7 +158,7 @@ class _Stepped:
         self.device = lm.device
         engine = Engine(lm, config)
         engine.prepare(params)  # construction and compiling are not timed
-        draft = getattr(engine.quant, "forward", None)
+        draft = engine.quant
         self.draft_compile_s = getattr(draft, "compile_seconds", None)  # loading (or building) its packages
         self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
         self.steps = engine.steps(prompt_ids, params)

@@ -1,2 +1,2 @@
-"""Lossless speculative decoding: the engines (engine.py solo, batch_engine.py batched) over forward/, verify/,
+"""Lossless speculative decoding: the engine (engine.py: one sequence or several a step) over forward/, verify/,
 drafters/ and width/; kernels/ holds our optional C kernels."""

@@ -19,7 +19,7 @@ from specrun.decoding.drafters.protocol import (
     NGramDrafter,
     RecyclingDrafter,
 )
-from specrun.decoding.drafters.quant_draft import quantized, quantized_rows
+from specrun.decoding.drafters.quant_draft import quantized
 from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDrafter
 from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_drafter
 from specrun.decoding.drafters.recycling import RecyclingMatrix
@@ -117,13 +117,13 @@ class EngineConfig:
 def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: bool = True, whole_pages: bool = False
                      ) -> tuple[DraftHeads | None, DraftWeights | None, tuple[str, ...]]:
     """(heads, recurrent drafter weights, active drafter names) of config for lm; heads given win over heads_path.
-    solo: a solo engine, else a batched one, whose 4-bit self-draft runs where each sequence's K/V is one page
-    (whole_pages: the CPU's layout)."""
+    solo: an engine of one sequence at a time (its contiguous cache), else of several, whose 4-bit self-draft runs
+    where each sequence's K/V is one page (whole_pages: the CPU's layout)."""
     heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
     recurrent = config.recurrent_weights(lm)
     dec = FusedDecoder.of(lm.model)
-    can_quantize = config.wants_quant and (quantized(dec) is not None and config.attention == "sdpa" if solo
-                                     else whole_pages and quantized_rows(dec) is not None)
+    can_quantize = config.wants_quant and quantized(dec) is not None and (
+        config.attention == "sdpa" if solo else whole_pages)
     return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
 
 

@@ -1,23 +1,28 @@
-"""Lossless speculative decoding: draft -> build trie -> verify -> accept -> commit KV -> update drafters -> emit.
+"""Lossless speculative decoding, one engine for one sequence or several: per step schedule -> draft -> build tries ->
+one verify forward for every active sequence -> accept, commit, update drafters -> emit.
 
-Output equals plain AR decoding of the model for the same prompt, params and seed, whatever the drafters (I1, I2).
+A sequence's tokens equal its solo AR decoding for the same prompt, params and seed, whatever the drafters and whatever
+runs beside it (I1, I2); step cost follows rows (I5). generate() and steps() are one sequence: a batch of one.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Generator
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
-from specrun.decoding.drafters.quant_draft import QuantDrafter, compiled_draft, draft_cached, quantized
+from specrun.decoding.drafters.quant_draft import KVView, QuantDrafter, compiled_draft, draft_cached, quantized
+from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
 from specrun.decoding.drafters.recycling import RecyclingMatrix
-from specrun.decoding.drafters.self_draft import SelfDrafter
-from specrun.decoding.forward.runner import ModelRunner
-from specrun.decoding.forward.static_step import StaticStep
+from specrun.decoding.drafters.self_draft import SelfDrafter, draft_batch
+from specrun.decoding.forward.paged_attention import check_paged_backend
+from specrun.decoding.forward.paged_runner import PagedRunner
+from specrun.decoding.forward.solo_runner import SoloRunner
 from specrun.decoding.stats import GenStats
 from specrun.decoding.step import Drafting, accept, draft, new_sequence, width_tuner
 from specrun.decoding.verify.sampling import SamplingParams
@@ -26,51 +31,225 @@ from specrun.decoding.verify.trie import Trie, build_trie
 from specrun.decoding.width.shadow import Shadow, shadowable
 from specrun.decoding.width.tuner import WidthTuner
 
-if TYPE_CHECKING:
-    from specrun.models.loader import LoadedModel
+__all__ = ["BatchConfig", "Engine", "EngineConfig", "GenerationResult"]
 
-__all__ = ["Engine", "EngineConfig", "GenerationResult"]
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How many sequences a step carries and where their K/V live. One: the runner's contiguous cache, sized at each
+    admission (solo_runner.py); several: a paged pool of kv_tokens slots (paged_runner.py)."""
+
+    concurrency: int = 1  # most sequences in one step
+    kv_tokens: int = 65536  # KV slots in the pool of several (the memory budget); admission never over-commits it
+    page_size: int = 1  # P = 1: committing accepted nodes is a page-table edit
+    backend: str = "auto"  # paged_attention.PAGED_BACKENDS, or auto (resolve_backend: by dtype and device)
+
+    def __post_init__(self):
+        for name, value in (("concurrency", self.concurrency), ("kv_tokens", self.kv_tokens),
+                            ("page_size", self.page_size)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        check_paged_backend(self.backend)
+
+
+@dataclass
+class _Active:
+    """One admitted sequence: its tokens and stop rules, K/V, own drafters and statistics."""
+
+    key: object
+    st: Sequence
+    kv: object  # its K/V: the solo runner's KVCache or its SeqPages (both commit(path), page_view(), release())
+    drafters: list[Drafter]
+    stats: GenStats
+    heads: SelfDrafter | None = None  # its self-drafter, which the step's draft forward feeds
+    quant: QuantDrafter | None = None  # its 4-bit self-drafter, fed by the step's 4-bit forwards
+    trie: Trie | None = None  # this step's
+    shadow: Shadow | None = None  # its full-width trie drafted at a narrower step, for the tuner
+    done: str | None = None  # finish reason once finished (or "stopped" by the caller)
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig = EngineConfig(), heads: DraftHeads | None = None):
-        self.lm = lm
-        self.config = config
-        heads, self.recurrent, names = resolve_drafting(config, lm, heads)
-        self.runner = ModelRunner(lm, max_rows=max(config.trie_budget, config.prefill_chunk), backend=config.attention)
-        if config.compile_layers:  # plain AR forwards one row a step
-            self.runner.use_compiled(config.trie_budget if names else 1)
-        self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
-        self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
-        self.drafters: list[Drafter] = build_drafters(
-            names, config, heads, self.runner.lm_head, self.recycling, self.recurrent,
-            lambda kv: SelfDrafter(self.runner, heads, config.tree, kv),
-            lambda: QuantDrafter(self.runner, quantized(self.runner.decoder, config.compile_layers)))
-        self.self_draft = next((d for d in self.drafters if isinstance(d, SelfDrafter)), None)
-        self.quant = next((d for d in self.drafters if isinstance(d, QuantDrafter)), None)
-        self.asked = 0  # new tokens its generations asked for so far (compile_draft auto)
-        self._capture = self.self_draft is not None and self.self_draft.needs_queries
-        # verify forwards by the static step (up to its largest row bucket), but where the self-draft reads queries
+    def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
+                 heads: DraftHeads | None = None):
+        self.solo = solo = batch.concurrency == 1
+        heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo=solo, whole_pages=batch.page_size > 1)
+        self.lm, self.config, self.batch, self.heads, self.names = lm, config, batch, heads, names
+        self.runner = SoloRunner(lm, max(config.trie_budget, config.prefill_chunk), config.attention) if solo \
+            else PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
+        if config.compile_layers:  # a step carries up to a width's rows per sequence
+            self.runner.use_compiled((config.trie_budget if names else 1) * batch.concurrency)
+        # the self-drafters' partial caches rank slots by the last committed token's queries: verify keeps them
+        self._capture = "heads" in names and config.kv_mode != "full"
         graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
-        self.static = StaticStep(self.runner) if graphs and not self._capture else None
+        if solo and graphs and not self._capture:
+            self.runner.use_static()
+        self.vocab_size = self.runner.lm_head.weight.shape[0]  # output vocabulary, may exceed the tokenizer's
+        # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
+        self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafting = Drafting(names)
-        # measured online and kept across generations (costs and acceptance carry over to the next prompt); greedy and
-        # sampled text apart: the same widths pay differently (greedy text loops, the n-gram copy drafts its steps)
-        self._tuners = {greedy: width_tuner(config.trie_budget, "quant" in names, greedy)
-                        for greedy in (False, True)} if self.drafters and config.adaptive_budget else None
-        self.tuner: WidthTuner | None = None  # the one of the generation in flight (or the last)
-        self._shadowing = self._tuners is not None and shadowable(names)
-        self.stats: GenStats | None = None  # counters of the generation in flight (or the last): on_step may read them
+        self.quant = quantized(self.runner.decoder) if "quant" in names else None  # the 4-bit forward all draft through
+        if self.quant is not None and config.compile_layers:
+            self.quant = compiled_draft(self.quant, batched=not solo)
+        # per number of active sequences (step cost depends on total rows) and greedy or not (the same widths pay
+        # differently: greedy text loops and the n-gram copy drafts its steps); kept across generations
+        self._tuners: dict[tuple[int, bool], WidthTuner] = {}
+        self._shadowing = config.adaptive_budget and shadowable(names)
+        self.active: list[_Active] = []
+        self.asked = 0  # new tokens its sequences asked for so far (compile_draft auto)
+        self.tuner: WidthTuner | None = None  # the last step's
+        self.stats: GenStats | None = None  # counters of the generation steps() runs (or ran last): on_step may read
+        self.drafters: list[Drafter] | None = None  # and its drafters
 
-    # -- the recipe ---------------------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        resume_from: list[int] = (),
-        on_step: Callable[[list[int]], bool] | None = None,
-    ) -> GenerationResult:
-        """Run steps() to the end; on_step(emitted) after each step, True stops the generation ("stopped")."""
+    # -- admission --------------------------------------------------------------------------------------------------
+    def admit(self, key, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()) -> bool:
+        """Start a sequence if a slot and its whole KV need are free (prefill included); False leaves nothing changed."""
+        if len(self.active) >= self.batch.concurrency:
+            return False
+        st = new_sequence(self.lm, prompt_ids, params, list(resume_from), self.vocab_size, self.config.trie_budget)
+        kv = self.runner.admit(st.capacity)
+        if kv is None:
+            return False
+        self.prepare(params, len(resume_from))
+        self.asked += params.max_tokens - len(resume_from)
+        drafters = build_drafters(self.names, self.config, self.heads, self.runner.lm_head, self.recycling,
+                                  self.recurrent, lambda p: SelfDrafter(self.heads, self.config.tree, p),
+                                  lambda: QuantDrafter(self.quant, kv))
+        known = st.known
+        for d in drafters:
+            d.start(known)
+        a = _Active(key, st, kv, drafters, GenStats(tuple(self.names)),
+                    next((d for d in drafters if isinstance(d, SelfDrafter)), None),
+                    next((d for d in drafters if isinstance(d, QuantDrafter)), None),
+                    shadow=Shadow() if self._shadowing else None)
+        if not st.finished():
+            with a.stats.time("prefill"):
+                self.runner.prefill(kv, st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
+            if a.heads is not None and st.n > 1:
+                a.heads.see_queries(self.runner.queries, -1)  # the prompt's last token
+        self.active.append(a)
+        return True
+
+    def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
+        """Compile what the next sequence pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it runs
+        on torch's kernels); admit calls it, a caller may call it first to keep the compile apart."""
+        several = not self.solo
+        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed,
+                                                                   lambda: draft_cached(self.quant, several)):
+            self.quant = compiled_draft(self.quant, several)
+            for a in self.active:
+                if a.quant is not None:
+                    a.quant.forward = self.quant
+
+    # -- the recipe, over the batch ---------------------------------------------------------------------------------
+    def step(self, on_step: Callable[[object, list[int]], bool] | None = None) -> list[tuple[object, GenerationResult]]:
+        """One verify forward for every active sequence; on_step(key, emitted) after each sequence's accept, True stops
+        it ("stopped"); returns the sequences that finished (and frees them)."""
+        finished = [a for a in self.active if a.st.finished()]  # admitted already complete (resumed to the end)
+        live = [a for a in self.active if a not in finished]
+        if live:
+            t_step = time.perf_counter()
+            tuner = self.tuner = self._tuner(len(live), all(a.st.params.greedy for a in live))
+            budget = tuner.choose() if tuner else self.config.trie_budget
+            t = time.perf_counter()
+            drafting = [a for a in live if a.heads is not None] if budget > 1 else []
+            if drafting:  # one self-draft forward for all: each root over its own partial cache
+                draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
+            if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
+                quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
+            full = self.config.trie_budget
+            for a in live:
+                drafts = draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device)
+                a.trie = build_trie(a.st.root, drafts, budget, self.lm.device)
+            t_draft = time.perf_counter() - t
+            t = time.perf_counter()
+            hidden, logits = self._verify(live)
+            t_forward = time.perf_counter() - t
+            accepted, offset = [], 0
+            for a in live:
+                rows = slice(offset, offset + a.trie.size)
+                if a.heads is not None and self._capture:
+                    a.heads.see_queries(self.runner.queries, offset)
+                offset += a.trie.size
+                accepted.append(accept(a.st, a.trie, logits[rows], hidden[rows], a.kv, a.drafters, a.stats,
+                                       self.drafting.coupled, budget if self.names else 1, ("recycling",)))
+            if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
+                self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
+            if tuner:  # the whole step's cost (drafting and bookkeeping too) against the width every sequence used
+                tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step,
+                                    sum(a.trie.size for a in live) / len(live))
+                shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]
+                if shadows:
+                    tuner.observe_shadow(shadows)
+            for a, (_, emitted) in zip(live, accepted):
+                a.stats.phase["draft"] += t_draft  # every sequence waited for the whole batch's drafting and forward
+                a.stats.phase["forward"] += t_forward
+                a.done = a.st.finished()
+                if on_step is not None and on_step(a.key, emitted) and not a.done:
+                    a.done = "stopped"
+                if a.done:
+                    finished.append(a)
+        return [self._retire(a) for a in finished]
+
+    def _retire(self, a: _Active) -> tuple[object, GenerationResult]:
+        if a.heads is not None:
+            a.stats.kv_rebuilds = a.heads.kv.rebuilds
+        a.kv.release()
+        self.active.remove(a)
+        return a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())
+
+    def stats_of(self, key) -> GenStats:
+        """The counters of an active sequence (a checkpointer reads them from its on_step)."""
+        return next(a.stats for a in self.active if a.key == key)
+
+    def drop(self, key) -> None:
+        """Forget an active sequence without a result (its step failed); its K/V go back to the pool."""
+        for a in [a for a in self.active if a.key == key]:
+            a.kv.release()
+            self.active.remove(a)
+
+    def _tuner(self, n: int, greedy: bool) -> WidthTuner | None:
+        """The tuner of steps of n sequences, all greedy or not (a mix drafts as sampled text: the chain)."""
+        if not self.names or not self.config.adaptive_budget:
+            return None
+        if (n, greedy) not in self._tuners:
+            self._tuners[n, greedy] = width_tuner(self.config.trie_budget, self.quant is not None, greedy)
+        return self._tuners[n, greedy]
+
+    def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, QuantDrafter, object] | None:
+        """What the 4-bit forward needs of a sequence that drafts with it this step: its K/V (one store a sequence:
+        the CPU's layout), its drafter, its context; None if it does not."""
+        view = a.kv.page_view() if a.quant is not None else None
+        ctx = a.st.draft_context(budget, True) if view is not None else None
+        if ctx is None or not a.quant.wants(ctx):
+            return None
+        return KVView(*view, a.kv.length), a.quant, ctx
+
+    def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""
+        hidden = self.runner.forward([a.kv for a in live], [a.trie.tokens for a in live],
+                                     [a.trie.depths + (a.st.n - 1) for a in live], [a.trie.ancestors for a in live],
+                                     capture_queries=self._capture)
+        return hidden, self.runner.logits(hidden)
+
+    # -- whole generations ----------------------------------------------------------------------------------------------
+    def run(self, requests: Iterable[tuple[object, list[int], SamplingParams, list[int]]],
+            on_step: Callable[[object, list[int]], bool] | None = None) -> dict[object, GenerationResult]:
+        """Keep up to `concurrency` sequences in flight, in the order given (callers put the longest first)."""
+        pending = list(requests)
+        results: dict[object, GenerationResult] = {}
+        while pending or self.active:
+            while pending and self.admit(*pending[0]):
+                pending.pop(0)
+            if pending and not self.active:
+                key, prompt, params, _ = pending[0]
+                raise ValueError(f"request {key!r} needs more KV slots ({len(prompt)} + {params.max_tokens} tokens) "
+                                 f"than the pool holds ({self.batch.kv_tokens}): raise kv_tokens")
+            results.update(self.step(on_step))
+        return results
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = (),
+                 on_step: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+        """One sequence to its end; on_step(emitted) after each step, True stops it ("stopped")."""
         steps, stop = self.steps(prompt_ids, params, resume_from), None
         while True:
             try:
@@ -81,65 +260,24 @@ class Engine:
 
     def steps(self, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = ()
               ) -> Generator[list[int], bool, GenerationResult]:
-        """The generation one step at a time: yields each step's emitted tokens (the prefill runs before the first);
-        send(True) stops it. Returns the GenerationResult. An engine runs one generation at a time (its KV cache and
-        stats are its own); separate engines' steps can be interleaved (specrun bench's lockstep)."""
-        st = self._start(prompt_ids, params, list(resume_from))
-        stats = self.stats = GenStats(tuple(d.name for d in self.drafters))
-        self.tuner = self._tuners[params.greedy] if self._tuners else None
-        done = st.finished()
-        if done:
-            return GenerationResult(st.out, done, stats.as_dict())
-        with stats.time("prefill"):
-            self.runner.prefill(st.seq[: st.n - 1], self.config.prefill_chunk, capture_queries=self._capture)
-        shadow = Shadow() if self._shadowing else None
-        while not done:
-            t_step = time.perf_counter()
-            budget = self.tuner.choose() if self.tuner else self.config.trie_budget
-            with stats.time("draft"):
-                drafts = draft(self.drafting, self.drafters, st, budget, self.config.trie_budget, shadow, self.lm.device)
-            with stats.time("trie"):
-                trie = build_trie(st.root, drafts, budget, self.lm.device)
-            with stats.time("forward"):
-                hidden, logits = self._verify(st, trie)
-            nodes, emitted = accept(st, trie, logits, hidden, self.runner.cache, self.drafters, stats,
-                                    self.drafting.coupled, width=budget if self.drafters else 1)
-            if self.tuner:  # the whole step's cost: drafting and bookkeeping count against a width as the forward does
-                self.tuner.observe(budget, nodes, time.perf_counter() - t_step, trie.size)
-                if shadow is not None and (shadow_path := shadow.resolve(st.out)) is not None:
-                    self.tuner.observe_shadow([shadow_path])
-            done = st.finished()
-            stop = yield emitted
-            if stop and not done:
-                done = "stopped"
-        if self.self_draft is not None:
-            stats.kv_rebuilds = self.self_draft.kv.rebuilds
-        return GenerationResult(st.out, done, stats.as_dict())
-
-    def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
-        """Compile what the next generation pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it
-        runs on torch's kernels); steps() calls it, a caller may call it first to keep the compile apart."""
-        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed,
-                                                                   lambda: draft_cached(self.quant.forward)):
-            self.quant.forward = compiled_draft(self.quant.forward)
-
-    # -- steps ----------------------------------------------------------------------------------------------------
-    def _start(self, prompt_ids: list[int], params: SamplingParams, resumed: list[int]) -> Sequence:
-        st = new_sequence(self.lm, prompt_ids, params, resumed, self.vocab_size, self.config.trie_budget)
-        self.prepare(params, len(resumed))  # a request new_sequence refused compiles nothing
-        self.asked += params.max_tokens - len(resumed)
-        self.runner.reset(st.capacity)
-        known = st.known
-        for d in self.drafters:
-            d.start(known)
-        return st
-
-    def _verify(self, st: Sequence, trie: Trie) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the trie: root at position n-1, each node at n-1+depth. -> hidden [T, H], logits [T, V]"""
-        positions = trie.depths + (st.n - 1)
-        if self.static is not None:
-            hidden = self.static.forward(trie.tokens, positions, trie.ancestors)
-            return hidden, self.runner.logits(hidden)
-        hidden = self.runner.forward(trie.tokens, positions, trie.ancestors, capture_queries=self._capture)
-        return hidden, self.runner.logits(hidden)
-
+        """One sequence a step at a time, on an engine with none in flight: yields each step's emitted tokens (the
+        prefill runs before the first); send(True) stops it. Returns its GenerationResult. Separate engines' steps can
+        be interleaved (specrun bench's lockstep)."""
+        if self.active:
+            raise RuntimeError("steps() runs one sequence on an engine with none in flight")
+        key, self.drafters = object(), None  # the last one's drafters go (a draft forward keeps state per drafter)
+        if not self.admit(key, prompt_ids, params, resume_from):
+            raise ValueError(f"the prompt ({len(prompt_ids)} + {params.max_tokens} tokens) needs more KV slots than "
+                             f"the pool holds ({self.batch.kv_tokens}): raise kv_tokens")
+        self.stats, self.drafters = self.active[-1].stats, self.active[-1].drafters
+        emitted: list[int] = []
+        while True:
+            emitted.clear()
+            done = self.step(lambda _, e: emitted.extend(e))
+            if done:
+                if emitted:
+                    yield list(emitted)
+                return done[0][1]
+            if (yield list(emitted)):
+                self.active[0].done = "stopped"
+                return self._retire(self.active[0])[1]

@@ -1,8 +1,9 @@
-"""The per-sequence parts of a decoding step, one copy for every engine: a sequence and its tuner made, propose
-(drafters asked in drafting order, merged in priority order, a shadow's full-width draft where one is due) and accept
-(choose, walk, stop rules, commit, advance, update drafters, record).
+"""The per-sequence parts of a decoding step: a sequence and its tuner made, propose (drafters asked in drafting
+order, merged in priority order, a shadow's full-width draft where one is due) and accept (choose, walk, stop rules,
+commit, advance, update drafters, record).
 
-The engines own the rest: admission, the width, the verify forward and their KV layout (anything with commit(path)).
+The engine (engine.py) owns the rest: admission, the width, the verify forward and the KV layout (anything with
+commit(path)).
 """
 
 from __future__ import annotations

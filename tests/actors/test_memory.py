@@ -17,7 +17,6 @@ from specrun.actors.memory import (
     kv_budget_bytes,
 )
 from specrun.actors.worker import GenerationWorker, WorkerSpec
-from specrun.decoding.batch_engine import BatchEngine
 from specrun.decoding.engine import Engine
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.jobdir import JobError, PromptInfo
@@ -95,7 +94,7 @@ def test_a_worker_resolves_auto_at_load_from_its_memory(model, tmp_path, monkeyp
     spec = WorkerSpec(job_dir=str(tmp_path), model=model, fingerprint=model_info(model).fingerprint,
                       concurrency=4, auto_concurrency=True, kv_need=300, page_size=300)
     w = GenerationWorker(spec, slot=0)
-    assert w.info()["concurrency"] == 4 and isinstance(w.engine, BatchEngine)
+    assert w.info()["concurrency"] == 4 and isinstance(w.engine, Engine)
     assert w.engine.batch.kv_tokens == 4 * 300
     # a budget for two sequences: auto seats two, an explicit 4 refuses to load
     from specrun.decoding.forward.paged_runner import kv_bytes_per_token

@@ -368,7 +368,7 @@ def test_greedy_and_sampled_generations_tune_apart(tmp_path):
     width), which judging widths by the chain's own steps missed (3.6 against 2.9x AR with the copy counted)."""
     lm = load_model(str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=2, seed=5)),
                     dtype="bfloat16")
-    assert "quant" in [d.name for d in Engine(lm, EngineConfig()).drafters]
+    assert "quant" in Engine(lm, EngineConfig()).names
     engine = Engine(lm, EngineConfig(trie_budget=16))
     for params in (SamplingParams(max_tokens=40, ignore_eos=True),
                    SamplingParams(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)):

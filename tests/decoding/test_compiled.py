@@ -6,8 +6,7 @@ import shutil
 import pytest
 import torch
 
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.compiled import BUCKETS, bucket_of
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.verify.sampling import SamplingParams
@@ -81,8 +80,8 @@ def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
     sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3)
     want = Engine(lm, EngineConfig(drafters=())).generate(prompt, sampled).token_ids
     calls = compiled.calls
-    batch = BatchEngine(lm, EngineConfig(drafters=("ngram",), trie_budget=2, compile_layers=True),
-                        BatchConfig(concurrency=2, kv_tokens=512))
+    batch = Engine(lm, EngineConfig(drafters=("ngram",), trie_budget=2, compile_layers=True),
+                   BatchConfig(concurrency=2, kv_tokens=512))
     out = {k: r.token_ids for k, r in batch.run([(0, prompt, sampled, []), (1, prompt, params, [])]).items()}
     assert out == {0: want, 1: ar} and compiled.calls > calls
     assert sorted(compiled.compile_seconds) == [1, 2, 4]  # nothing compiled beyond the warmed buckets

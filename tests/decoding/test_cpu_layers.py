@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_runner import PagedRunner
@@ -174,7 +173,7 @@ def test_a_batched_worker_runs_each_sequence_as_its_solo_run(tmp_path, dtype, ba
             ("hot", list(b"abcabc"), SamplingParams(max_tokens=40, temperature=1.3, seed=1, ignore_eos=True))]
     refs = {key: Engine(lm, EngineConfig(drafters=())).generate(p, params).token_ids for key, p, params in jobs}
     need = len(text) + 60 + 16 + 1
-    engine = BatchEngine(lm, EngineConfig(drafters=("ngram", "recycling"), adaptive_budget=False, trie_budget=16,
+    engine = Engine(lm, EngineConfig(drafters=("ngram", "recycling"), adaptive_budget=False, trie_budget=16,
                                           prefill_chunk=8),
                          BatchConfig(concurrency=2, kv_tokens=2 * need, page_size=need, backend=backend))
     got = engine.run([(key, p, params, []) for key, p, params in jobs])

@@ -35,13 +35,13 @@ def test_static_step_generates_the_eager_tokens(load_fixture, device, params):
     ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, params).token_ids
     engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
     assert engine.generate(prompt, params).token_ids == ref
-    assert engine.static.calls == params.max_tokens  # the prefill stops before the prompt's last token: each a step
+    assert engine.runner.static.calls == params.max_tokens  # the prefill stops before the prompt's last token: each a step
     longer, first_cache = prompt * 2, engine.runner.cache
     ref2 = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(longer, params).token_ids
     assert engine.generate(longer, params).token_ids == ref2
     assert engine.runner.cache is not first_cache  # the cache grew: the static step took the new one
     if device == "cuda":
-        assert engine.static.graphs and len(engine.static._captured) >= 2
+        assert engine.runner.static.graphs and len(engine.runner.static._captured) >= 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,7 +55,7 @@ def test_split_buckets_attend_as_one_pass(load_fixture, device, monkeypatch):
     prompt = lm.tokenizer.encode("the cat sat on the mat. " * 8)
     ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=(), step_graphs="on"))
-    assert engine.generate(prompt, SAMPLED).token_ids == ref and engine.static.calls == SAMPLED.max_tokens
+    assert engine.generate(prompt, SAMPLED).token_ids == ref and engine.runner.static.calls == SAMPLED.max_tokens
 
 
 def _cuda_like(chunks):
@@ -145,11 +145,11 @@ def test_spec_steps_take_the_static_step(load_fixture):
     ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(prompt, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=("ngram", "recycling"), step_graphs="on"))
     forwards = []
-    inner = engine.static.forward
-    engine.static.forward = lambda tokens, *a: forwards.append(tokens.shape[0]) or inner(tokens, *a)
+    inner = engine.runner.static.forward
+    engine.runner.static.forward = lambda tokens, *a: forwards.append(tokens.shape[0]) or inner(tokens, *a)
     out = engine.generate(prompt, SAMPLED)
     assert out.token_ids == ref
-    assert engine.static.calls == len(forwards) == out.stats["steps"] and max(forwards) > 1
+    assert engine.runner.static.calls == len(forwards) == out.stats["steps"] and max(forwards) > 1
 
 
 @pytest.mark.gpu
@@ -196,7 +196,7 @@ def test_flashinfer_batch_engine_is_ar_up_to_near_ties(wide_heads):
     """bf16 on CUDA, n-gram drafting, three sequences in one batch: each equals its solo AR run, or parts from it first
     at a near tie (docs/design.md section 2: the row count of a forward may move the last bits)."""
     pytest.importorskip("flashinfer", reason="needs flashinfer (pip install 'specrun[cuda]')")
-    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.decoding.engine import BatchConfig, Engine
     from specrun.models.loader import load_model
 
     lm = load_model(wide_heads, dtype="bfloat16", device="cuda")
@@ -204,8 +204,8 @@ def test_flashinfer_batch_engine_is_ar_up_to_near_ties(wide_heads):
                                                 "abc abc abc abc abc", "once upon a time")]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     # every step drafts (the recycling matrix always proposes): each verify is a masked tree per sequence
-    engine = BatchEngine(lm, EngineConfig(drafters=("ngram", "recycling"), adaptive_budget=False, trie_budget=16),
-                         BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=16, backend="flashinfer"))
+    engine = Engine(lm, EngineConfig(drafters=("ngram", "recycling"), adaptive_budget=False, trie_budget=16),
+                    BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=16, backend="flashinfer"))
     got = engine.run([(i, p, params, []) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         ref = Engine(lm, EngineConfig(drafters=(), step_graphs="off")).generate(p, params).token_ids

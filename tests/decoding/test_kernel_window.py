@@ -119,8 +119,8 @@ def test_the_draft_over_a_long_cache_is_the_draft_over_the_slots_its_window_hold
     cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
 
     def draft(over: KVCache, window: DraftWindow, length: int) -> torch.Tensor:
-        fwd.window = window
-        fwd.begin([over], [length], 3)
+        fwd.windows[over] = window  # the window over's drafts keep
+        fwd.begin([over], [length], 3, [over])
         return torch.cat([fwd.logits(i, [65 + i], [None], [1.0], [1e9]) for i in range(3)])
 
     window = DraftWindow(L, Hkv, D, 512, **SMALL)
@@ -152,9 +152,15 @@ def test_drafting_past_many_slides_of_the_window_changes_nothing(model_dir, monk
                             seed=3, ignore_eos=True)
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
-    result = engine.generate(PROMPT, params)
-    window = engine.drafters[0].forward.window
+    windows = []
+
+    def watch(emitted):
+        (window,) = engine.quant.windows.values()  # the sequence's, freed with its drafter
+        assert window.upto == engine.runner.cache.length  # every step's committed slots taken as they come
+        windows.append(window)
+
+    result = engine.generate(PROMPT, params, on_step=watch)
+    window = windows[-1]
     assert result.token_ids == ar
     assert window.cap == 80 and window.rebuilds > 10 and window.query is not None
-    assert window.upto == engine.runner.cache.length  # every step's committed slots taken as they come
     assert result.stats["accepted_hist"].get("4", 0) > 0, result.stats

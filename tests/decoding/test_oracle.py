@@ -5,8 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.stats import ORACLE_DEPTHS, GenStats
 from specrun.decoding.verify.sampling import SamplingParams, process_logits
 from specrun.decoding.verify.trie import likeliest
@@ -94,6 +93,6 @@ def test_the_oracle_is_the_emitted_texts_whatever_drafts_batching_or_cuts(tmp_pa
     n = len(short.token_ids)
     assert short.finish_reason == "stop" and n <= cut + 1 and short.token_ids == text[:n]
     assert short.stats["oracle_accepted"] == pytest.approx(want(n))
-    batch = BatchEngine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, kv_tokens=1024))
+    batch = Engine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, kv_tokens=1024))
     got = batch.run([("a", prompt, params, []), ("b", prompt[:5], params, [])])
     assert got["a"].token_ids == ar.token_ids and got["a"].stats["oracle_accepted"] == pytest.approx(want(120))

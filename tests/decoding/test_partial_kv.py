@@ -64,25 +64,25 @@ def test_static_partial_never_rebuilds():
     assert kv.rebuilds == 1
 
 
-def test_rebuild_uses_the_last_committed_query(load_fixture):
+def test_rebuild_uses_the_last_committed_query(load_fixture, monkeypatch):
     lm = load_fixture("llama_gqa")
     heads = DraftHeads(64, 3).double()
     engine = Engine(lm, EngineConfig(drafters=("heads", "ngram"), kv_mode="dynamic", kv_budget=20, kv_sinks=4, adaptive_budget=False), heads=heads)
     seen = []
-    original = engine.self_draft.kv._rebuild
+    original = PartialKV._rebuild
 
-    def spy(cache, q_last):
+    def spy(kv, cache, q_last):
         seen.append((cache.length, q_last().clone()))
-        original(cache, q_last)
+        original(kv, cache, q_last)
 
-    engine.self_draft.kv._rebuild = spy
+    monkeypatch.setattr(PartialKV, "_rebuild", spy)
     prompt = lm.tokenizer.encode("the cat sat on the mat. the cat sat")
     out = engine.generate(prompt, SamplingParams(max_tokens=120, ignore_eos=True)).token_ids
     assert len(seen) >= 3
     seq = torch.tensor(prompt + out)
     ref = Engine(lm, EngineConfig(drafters=()))
     for length, q in seen:
-        ref.runner.reset(length + 8)
-        ref.runner.prefill(seq[:length], chunk=256, capture_queries=True)
-        q_ref = torch.stack([layer_q[:, -1] for layer_q in ref.runner.queries])
+        ref.runner.runner.reset(length + 8)  # the engine's ModelRunner
+        ref.runner.runner.prefill(seq[:length], chunk=256, capture_queries=True)
+        q_ref = torch.stack([layer_q[:, -1] for layer_q in ref.runner.runner.queries])
         assert torch.allclose(q, q_ref, atol=1e-10)  # the committed token's own query, never a draft node's

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from specrun.bench.neartie import check_divergence
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.drafters import quant_torch
 from specrun.decoding.drafters.quant_draft import KernelForward, QuantDrafter, pick, quantized
 from specrun.decoding.drafters.quant_torch import Int4Linear, Int8Linear, TorchForward, on_grid
 from specrun.decoding.drafters.quant_torch import rescore as torch_rescore
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.kv_cache import KVCache
 from specrun.decoding.forward.kv_codes import KVCodes
@@ -147,20 +146,19 @@ def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model
 @needs_kernels
 def test_the_drafters_copy_holds_the_codes_of_each_new_sequences_cache(model_dir):
     """A second sequence on the same engine and cache (a resume of the same prompt with another output prefix, longer
-    than the copy's first sync reached): the drafter's copy is that sequence's (start() restarts it), slot for slot
-    the codes of its cache's committed slots."""
+    than the first one's text): its drafter's copy is its own, slot for slot the codes of its cache's committed
+    slots."""
     lm = _on_grid(load_model(str(model_dir), dtype="bfloat16"))
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
     params = SamplingParams(max_tokens=60, temperature=1.0, min_p=0.1, seed=3, ignore_eos=True)
     engine.generate(PROMPT, dataclasses.replace(params, max_tokens=30))
-    drafter, cache = engine.drafters[0], engine.runner.cache
-    codes = drafter.forward.window.codes  # the window holds every slot of so short a text, each at its own place
-    first_upto, first_cache = codes.upto, cache
+    first, cache = engine.quant.windows[engine.drafters[0]].codes, engine.runner.cache
     engine.generate(PROMPT, params, resume_from=[5, 6] * 29 + [5])
+    codes = engine.quant.windows[engine.drafters[0]].codes  # the window holds every slot of so short a text
     n = codes.upto  # compare the synced slots only (the rest hold the last draft's rows)
-    assert engine.runner.cache is first_cache and len(PROMPT) + 29 >= first_upto and n > first_upto
+    assert codes is not first and engine.runner.cache is cache and n > len(PROMPT) + 29
     fresh = KVCodes(cache.n_layers, cache.k.shape[1], codes.cap, cache.k.shape[3])
-    fresh.sync(drafter.forward.layers.kernels, cache.k, cache.v, n)
+    fresh.sync(engine.quant.layers.kernels, cache.k, cache.v, n)
     assert all(torch.equal(a, b) for a, b in zip(_slots(codes, n), _slots(fresh, n)))
 
 
@@ -229,11 +227,11 @@ def test_drafting_with_the_4bit_copy_changes_nothing_and_is_accepted(model_dir, 
     lm = _model(model_dir, path, dtype)
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
-    assert isinstance(engine.drafters[0], QuantDrafter)
     result = engine.generate(PROMPT, params)
+    assert isinstance(engine.drafters[0], QuantDrafter)
     assert _is_ar(lm, path, params, ar, result.token_ids)
     if path == "kernels":
-        assert engine.drafters[0].forward.window.codes.upto > 0  # it drafted over the int8 copy
+        assert engine.quant.windows[engine.drafters[0]].codes.upto > 0  # it drafted over the int8 copy
     # three drafted tokens a step, most of them AR's own (a miss: a near tie that rounding or the int8 K/V codes
     # turned; this random model's logits are flat: 3.33 and 3.2 a step with int8 K/V, above 3.5 with bf16)
     assert result.stats["mean_accepted"] > 3.0, result.stats
@@ -260,7 +258,7 @@ def test_an_off_grid_model_still_gets_its_own_output(model_dir, path, dtype):
     for params in (GREEDY, SAMPLED):
         ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
         auto = Engine(lm, EngineConfig())
-        assert "quant" in [d.name for d in auto.drafters]
+        assert "quant" in auto.names
         assert _is_ar(lm, path, params, ar, auto.generate(PROMPT, params).token_ids)
 
 
@@ -268,13 +266,13 @@ def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model
     lm = load_model(str(model_dir), dtype="float32")
     assert quantized(FusedDecoder.of(lm.model)) is not None  # torch's kernels take float32 models too
     # a batched engine drafts with it where each sequence's K/V is one page (the CPU's layout), not over pages of 1
-    assert "quant" in BatchEngine(lm, EngineConfig(), BatchConfig(concurrency=2, page_size=256, kv_tokens=512)).names
-    assert "quant" not in BatchEngine(lm, EngineConfig(), BatchConfig(concurrency=2)).names
+    assert "quant" in Engine(lm, EngineConfig(), BatchConfig(concurrency=2, page_size=256, kv_tokens=512)).names
+    assert "quant" not in Engine(lm, EngineConfig(), BatchConfig(concurrency=2)).names
     with pytest.raises(ValueError, match="one KV page a sequence"):
-        BatchEngine(lm, EngineConfig(drafters=("quant",)), BatchConfig(concurrency=2))
+        Engine(lm, EngineConfig(drafters=("quant",)), BatchConfig(concurrency=2))
     odd = load_model(str(build_tiny_model(tmp_path / "odd", hidden=48, heads=2, kv_heads=1, layers=1, seed=1)))
     assert quantized(FusedDecoder.of(odd.model)) is None  # inputs of 48: not groups of 32
-    assert "quant" not in [d.name for d in Engine(odd, EngineConfig()).drafters]
+    assert "quant" not in Engine(odd, EngineConfig()).names
     with pytest.raises(ValueError, match="groups of 32"):
         Engine(odd, EngineConfig(drafters=("quant",)))
 
@@ -309,15 +307,14 @@ def test_a_repeated_passage_is_left_to_the_ngram_copy(model_dir, path, dtype):
     """Where the last 3 tokens occurred before, the n-gram copy drafts the whole width for free: no 4-bit forward."""
     lm = _model(model_dir, path, dtype, on_grid=False)
     engine = Engine(lm, EngineConfig(drafters=("quant", "ngram")))
+    engine.generate(PROMPT, dataclasses.replace(GREEDY, max_tokens=1))
     quant, ngram = engine.drafters
     assert quant.copy is ngram.copy
     looped = PROMPT + PROMPT[:3]
     ngram.start(looped)
-    engine.runner.reset(64)
-    engine.runner.prefill(torch.tensor(looped[:-1]), 8)
-    assert quant.propose(DraftContext(looped[-1], len(looped) - 1, budget=4, params=GREEDY), 0) == []
+    assert not quant.wants(DraftContext(looped[-1], len(looped) - 1, budget=4, params=GREEDY))
     ngram.start(PROMPT)
-    assert len(quant.propose(DraftContext(PROMPT[-1], len(PROMPT) - 1, budget=4, params=GREEDY), 0)[0].tokens) == 4
+    assert quant.wants(DraftContext(PROMPT[-1], len(PROMPT) - 1, budget=4, params=GREEDY))
 
 
 @pytest.mark.parametrize("n,k", [(37, 96), (160, 96), (17, 576)])  # rows not a multiple of 16 are padded
@@ -448,14 +445,14 @@ def test_a_batched_worker_drafts_every_sequence_with_the_4bit_copy_and_each_gets
     lm = _model(model_dir, path, dtype)
     prompts = [PROMPT, PROMPT[:5] + [50, 60, 70], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     ar = [Engine(lm, EngineConfig(drafters=())).generate(p, params).token_ids for p in prompts]
-    engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
-                         BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=256))
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
+                    BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=256))
     got = engine.run([(i, p, params, []) for i, p in enumerate(prompts)])
     for i in range(3):
         assert got[i].token_ids == ar[i], i
         assert got[i].stats["mean_accepted"] > 3.0, got[i].stats
     if path == "kernels":  # each sequence drafted in a window of its own, freed with its drafter
-        assert isinstance(engine.quant, KernelForward) and engine.quant.window is None
+        assert isinstance(engine.quant, KernelForward) and not engine.quant.windows
         assert len(engine.quant.active) >= 1 and all(w.upto > len(PROMPT) for w in engine.quant.active)
 
 
@@ -497,23 +494,23 @@ def test_a_draft_whose_compile_fails_drafts_eagerly_after_one_warning(model_dir,
     lm = _model(model_dir, "torch", "float32")
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_draft="on"))
-    eager = engine.quant.forward
+    eager = engine.quant
     for _ in range(2):
         result = engine.generate(PROMPT, SAMPLED)
         assert result.token_ids == ar and result.stats["mean_accepted"] > 3.0, result.stats
-    assert engine.quant.forward is eager and isinstance(eager, TorchForward) and tries == [False]
+    assert engine.quant is eager and isinstance(eager, TorchForward) and tries == [False]
     assert "compiling the 4-bit self-draft failed (RuntimeError: no C++ compiler found)" in capsys.readouterr().err
-    batched = BatchEngine(lm, EngineConfig(drafters=("quant",), compile_draft="on"),
-                          BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
+    batched = Engine(lm, EngineConfig(drafters=("quant",), compile_draft="on"),
+                     BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
     assert batched.admit(0, PROMPT, SAMPLED) and batched.quant is eager and tries == [False]
 
 
 def test_a_batched_engine_tunes_greedy_steps_apart_from_sampled_ones(model_dir):
-    """As the solo engine: steps whose sequences are all greedy have a tuner of their own, without the 4-bit chain's
+    """Steps whose sequences are all greedy have a tuner of their own, without the 4-bit chain's
     rules (the n-gram copy drafts greedy loops); a step with any sampled sequence drafts as sampled text."""
     lm = _model(model_dir, "torch", "float32")
-    engine = BatchEngine(lm, EngineConfig(drafters=("quant", "ngram")),
-                         BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
+    engine = Engine(lm, EngineConfig(drafters=("quant", "ngram")),
+                    BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
     greedy, sampled = dataclasses.replace(GREEDY, max_tokens=8), dataclasses.replace(SAMPLED, max_tokens=24)
     assert engine.admit(0, PROMPT, greedy) and engine.admit(1, PROMPT[:5], sampled)
     engine.run([])

@@ -136,7 +136,7 @@ def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(c
     lm = compiled_lm
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_layers=True))
-    ring = engine.drafters[0].forward
+    ring = engine.quant
     assert isinstance(ring, RingForward) and ring.fn is not None
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     result = engine.generate(PROMPT, SAMPLED)
@@ -213,12 +213,12 @@ def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_i
 def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compiled_graph(compiled_lm, monkeypatch):
     """--compile with several prompts on a worker: the batched engine's 4-bit chains come from the compiled graph, one
     call a depth for all, each sequence in its own ring; every output is its solo AR run's."""
-    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.decoding.engine import BatchConfig, Engine
 
     lm = compiled_lm
     prompts = [PROMPT, PROMPT[:5] + [50, 60, 70], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
-    engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False,
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False,
                                           compile_layers=True),
                          BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=256))
     ring = engine.quant
@@ -255,14 +255,14 @@ def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_f
     compiles = _spy_compiles(monkeypatch)
     quant = {"drafters": ("quant",), "trie_budget": 4, "adaptive_budget": False}
     engine = Engine(lm, EngineConfig(**quant))
-    eager = engine.quant.forward
+    eager = engine.quant
     assert isinstance(eager, TorchForward)
     assert engine.generate(PROMPT, SAMPLED, resume_from=ar[:100]).token_ids == ar  # 20 tokens asked
     assert engine.generate(PROMPT, SAMPLED).token_ids == ar  # 140 in all
-    assert engine.quant.forward is eager and compiles == []
+    assert engine.quant is eager and compiles == []
 
     result = engine.generate(PROMPT, SAMPLED)  # 260: past the mark
-    ring = engine.quant.forward
+    ring = engine.quant
     assert isinstance(ring, RingForward) and ring.fn is not None and compiles == [False] and ring.built == 1
     assert result.token_ids == ar and ring.calls > 0 and result.stats["mean_accepted"] > 3.0, result.stats
     calls = ring.calls
@@ -270,14 +270,14 @@ def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_f
     off = Engine(lm, EngineConfig(**quant, compile_draft="off"))
     for _ in range(3):
         assert off.generate(PROMPT, SAMPLED).token_ids == ar
-    assert off.quant.forward is eager and ring.calls == calls and compiles == [False]
+    assert off.quant is eager and ring.calls == calls and compiles == [False]
     on = Engine(lm, EngineConfig(**quant, compile_draft="on"))
-    assert on.generate(PROMPT, SAMPLED).token_ids == ar and on.quant.forward is ring and ring.calls > calls
+    assert on.generate(PROMPT, SAMPLED).token_ids == ar and on.quant is ring and ring.calls > calls
 
     again = Engine(_model(model_dir, "torch", "float32"), EngineConfig(**quant))  # a new decoder: nothing loaded
-    assert again.quant.forward is not eager and isinstance(again.quant.forward, TorchForward)
+    assert again.quant is not eager and isinstance(again.quant, TorchForward)
     result = again.generate(PROMPT, SAMPLED, resume_from=ar[:100])  # 20 tokens asked: the cached package
-    loaded = again.quant.forward
+    loaded = again.quant
     assert isinstance(loaded, RingForward) and loaded.built == 0 and loaded.calls > 0 and compiles[-1] is False
     assert result.token_ids == ar
 
@@ -302,15 +302,15 @@ def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_t
     sequences it admitted ask for COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every sequence;
     outputs their solo AR runs'."""
     from specrun.decoding import config as engine_config
-    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.decoding.engine import BatchConfig, Engine
 
     monkeypatch.setenv("SPECRUN_CACHE", str(fresh_cache))  # no package of the module's earlier tests
     lm = _model(model_dir, "torch", "float32")
     solo_cached = quant_ring.ring_of(FusedDecoder.of(lm.model)._specrun_q4).cached()  # the test above built it
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
-    engine = BatchEngine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
-                         BatchConfig(concurrency=2, kv_tokens=2 * 256, page_size=256))
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False),
+                    BatchConfig(concurrency=2, kv_tokens=2 * 256, page_size=256))
     monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 2 * SAMPLED.max_tokens)
     compiles = _spy_compiles(monkeypatch)
     eager = engine.quant

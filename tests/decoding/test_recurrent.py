@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
 from specrun.decoding.drafters.quant_draft import quantized
 from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDraft, _processed, draft_tree
 from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_drafter, model_signature, save_drafter
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
@@ -60,10 +59,10 @@ def test_coupled_scores_pick_the_token_ar_samples(lm):
     for k in (0, 7, 23):  # the state after prompt + out[:k]: choose out[k]
         st = Sequence(prompt, params, out[:k], vocab_size=eng.vocab_size, eos_ids=lm.eos_ids, tokenizer=lm.tokenizer,
                       max_context=lm.max_context, spare=1, device=lm.device)
-        eng.runner.reset(st.capacity)
-        eng.runner.prefill(st.seq[: st.n - 1], 256)
+        eng.runner.runner.reset(st.capacity)  # the engine's ModelRunner
+        eng.runner.runner.prefill(st.seq[: st.n - 1], 256)
         trie = build_trie(st.root, [], 1, lm.device)
-        h = eng.runner.forward(trie.tokens, trie.depths + st.n - 1, trie.ancestors)  # [1, H]
+        h = eng.runner.runner.forward(trie.tokens, trie.depths + st.n - 1, trie.ancestors)  # [1, H]
         ctx = st.draft_context(2, with_present=True)
         scores = _processed(w, w.logits(h), params, ctx.present[w.vocab_ids], ctx.position + 1)
         assert int(scores.argmax()) == out[k] == int(st.choose(trie, eng.runner.logits(h))[0][0])
@@ -192,8 +191,8 @@ def test_recurrent_drafting_is_lossless_and_accepted(lm, trained, params):
                                   trie_budget=16)).generate(prompt, params)
     assert res.token_ids == ar.token_ids
     assert res.stats["tokens_by_drafter"].get("recurrent", 0) > 30, res.stats
-    batch = BatchEngine(lm, EngineConfig(drafters=("recurrent", "ngram"), drafter_path=trained[0]),
-                        BatchConfig(concurrency=2, kv_tokens=2000, page_size=1))
+    batch = Engine(lm, EngineConfig(drafters=("recurrent", "ngram"), drafter_path=trained[0]),
+                   BatchConfig(concurrency=2, kv_tokens=2000, page_size=1))
     other = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
     got = batch.run([(0, prompt, params, []), (1, prompt[:3], other, [])])
     assert got[0].token_ids == ar.token_ids
@@ -209,4 +208,4 @@ def test_drafter_files_refuse_another_model(lm, trained, load_fixture):
         Engine(other, EngineConfig(drafters=("recurrent",)))
     assert builtin_drafter(lm) is None  # nothing ships for a tiny random model: auto drafts without it
     quant = ["quant"] if quantized(FusedDecoder.of(lm.model)) is not None else []  # the 4-bit copy where it runs
-    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == [*quant, "ngram", "recycling"]
+    assert list(Engine(lm, EngineConfig()).names) == [*quant, "ngram", "recycling"]

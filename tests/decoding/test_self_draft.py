@@ -88,7 +88,7 @@ def test_heads_drafter_needs_heads(load_fixture):
         with pytest.raises(ValueError, match=name):
             Engine(lm, EngineConfig(drafters=(name,)))
     quant = ["quant"] if quantized(FusedDecoder.of(lm.model)) is not None else []  # the 4-bit copy where it runs
-    assert [d.name for d in Engine(lm, EngineConfig()).drafters] == [*quant, "ngram", "recycling"]
+    assert list(Engine(lm, EngineConfig()).names) == [*quant, "ngram", "recycling"]
 
 
 @pytest.mark.parametrize("trained", [False, True])

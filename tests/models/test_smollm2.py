@@ -65,10 +65,10 @@ def test_smollm2_bf16_drafting_and_resume_equal_ar_bit_for_bit(sampled):
     assert spec.generate(prompt, params).token_ids == ar
     assert spec.generate(prompt, params, resume_from=ar[:50]).token_ids == ar
     # a batched worker's forward beside another prompt (each on its page, as CPU jobs run): the same tokens again
-    from specrun.decoding.batch_engine import BatchConfig, BatchEngine
+    from specrun.decoding.engine import BatchConfig
 
     other = lm.tokenizer.encode("The history of the printing press")
     need = len(prompt) + 100 + 17
-    batch = BatchEngine(lm, EngineConfig(trie_budget=16, adaptive_budget=False),
-                        BatchConfig(concurrency=2, kv_tokens=2 * need, page_size=need))
+    batch = Engine(lm, EngineConfig(trie_budget=16, adaptive_budget=False),
+                   BatchConfig(concurrency=2, kv_tokens=2 * need, page_size=need))
     assert batch.run([(0, prompt, params, []), (1, other, params, [])])[0].token_ids == ar

@@ -21,7 +21,6 @@ from specrun.decoding.drafters.quant_ring import RingForward, ring_forward, ring
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
-from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 from specrun.decoding.verify.sampling import SamplingParams, ar_choice, kernel_sampling
 from specrun.decoding.verify.trie import Draft, DraftContext
@@ -50,8 +49,7 @@ class KernelForward:
         # the draft's attention reads int8 K/V: half the bytes of bf16, 4 products an instruction (smollm2, 30 layers
         # at 2,048 keys: 2.8 ms against 6.3 for a bf16 attention split as this one; sampled, 5.24 tokens a width-6
         # step against 5.51 with bf16 K/V, for 5.0 ms a draft against 6.4)
-        self.window: DraftWindow | None = None  # the solo engine's sequence's
-        self.windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a batched engine's, by drafter
+        self.windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # each sequence's, by its drafter
         self.active: list[DraftWindow] = []  # this draft's sequences'
         self.cos = self.sin = None  # [B, k, D] of the draft's positions
 
@@ -65,31 +63,25 @@ class KernelForward:
 
     def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
         """A draft of k tokens for each sequence: its root at positions[b], over caches[b] (anything with k, v
-        [Lyr, Hkv, S, D] and length), in the window of owners[b] (default: the solo engine's one window)."""
-        L, Hkv, S, D = caches[0].k.shape
-        if owners is None:  # a new window where the runner's cache grew past what this one was sized for
-            if self.window is None or self.window.k.shape[:2] != (L, Hkv) or self.window.capacity < S:
-                self.window = DraftWindow(L, Hkv, D, S)
-            self.active = [self.window]
-        else:  # a batched engine's sequences, each its drafter's window (freed with the drafter)
-            self.active = [self.windows.get(o) or self.windows.setdefault(o, DraftWindow(L, Hkv, D, S))
-                           for o in owners]
+        [Lyr, Hkv, S, D] and length), in the window of owners[b] (default: the cache itself; freed with its owner)."""
+        self.active = [self._window(o, c) for o, c in zip(owners or caches, caches)]
         for window, cache in zip(self.active, caches):
             window.sync(self.layers.kernels, cache.k, cache.v, cache.length)
         like = self.head.new_empty((1, 1, self.dec.head_dim), dtype=torch.bfloat16)
         pos = torch.tensor(positions)[:, None] + torch.arange(k)  # [B, k]
         self.cos, self.sin = self.dec.rotary(like, pos)  # [B, k, D] each
 
-    def start(self) -> None:
-        if self.window is not None:
-            self.window.reset()  # a new sequence: its cache is refilled from slot 0
+    def _window(self, owner, cache) -> DraftWindow:
+        L, Hkv, S, D = cache.k.shape
+        return self.windows.get(owner) or self.windows.setdefault(owner, DraftWindow(L, Hkv, D, S))
 
     @torch.inference_mode()
-    def follow(self, cache) -> None:
-        """A solo step committed slots: the window takes them now, so a draft after a run of plain AR steps pays no
-        catch-up copy (which made drafting look dearer than it is to the width tuner)."""
-        if self.window is not None:
-            self.window.sync(self.layers.kernels, cache.k, cache.v, cache.length)
+    def follow(self, owner, cache) -> None:
+        """A step committed slots of owner's sequence: its window takes them now, so a draft after a run of plain AR
+        steps pays no catch-up copy (which made drafting look dearer than it is to the width tuner)."""
+        window = self.windows.get(owner)
+        if window is not None:
+            window.sync(self.layers.kernels, cache.k, cache.v, cache.length)
 
     def logits(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
                ) -> torch.Tensor:
@@ -108,22 +100,12 @@ class KernelForward:
                           for b, (n, theta, below) in enumerate(zip(counts, thetas, belows))])
 
 
-def quantized(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
-    """The 4-bit draft forward of a FusedDecoder for a solo engine, built once per decoder: our kernels where they take
-    it, else torch's int4 kernels (any CPU), compiled where `compiled` (--compile: quant_ring.py, compiled now); None
-    where neither takes it."""
+def quantized(decoder) -> KernelForward | TorchForward | None:
+    """The 4-bit draft forward of a FusedDecoder, built once per decoder: our kernels where they take it, else torch's
+    int4 kernels (any CPU); None where neither takes it. compiled_draft makes torch's one graph a token."""
     if not hasattr(decoder, "_specrun_q4"):
         decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
-    fwd = decoder._specrun_q4
-    return compiled_draft(fwd) if compiled else fwd
-
-
-def quantized_rows(decoder, compiled: bool = False) -> KernelForward | TorchForward | RingForward | None:
-    """The 4-bit draft forward for a batched engine (several sequences a forward), once per decoder: our kernels where
-    they take it (a window a sequence), else torch's int4 kernels, compiled where `compiled` (quant_ring.py, compiled
-    now for one sequence a call and for several)."""
-    fwd = quantized(decoder)
-    return compiled_draft(fwd, batched=True) if compiled else fwd
+    return decoder._specrun_q4
 
 
 def compiled_draft(forward, batched: bool = False):
@@ -193,8 +175,8 @@ def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], posit
 def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list[tuple[object, DraftContext]], k: int,
                  owners: list | None = None) -> list[list[int]]:
     """Each row's root and k tokens after it, each AR's pick under the 4-bit model, every row through one forward a
-    depth; rows: (its KV: a KVCache or a page's view, its context); owners: each row's drafter (the compiled draft
-    keeps a ring per owner). The penalty window is the committed one plus the drafted tokens (a token leaving it is not
+    depth; rows: (its KV: a KVCache or a page's view, its context); owners: each row's drafter, default its KV (the
+    compiled draft keeps a ring, our kernels' draft a window per owner). The penalty window is the committed one plus the drafted tokens (a token leaving it is not
     tracked)."""
     ctxs = [ctx for _, ctx in rows]
     counts = [None if c.present is None or not c.params.uses_penalty else c.present.to(torch.int32) for c in ctxs]
@@ -225,42 +207,16 @@ def leaves_to_copy(ctx: DraftContext, copy: SuffixCopy | None) -> bool:
 
 
 class QuantDrafter:
-    name = "quant"
-
-    def __init__(self, runner: ModelRunner, forward: KernelForward | TorchForward | RingForward):
-        self.runner = runner
-        self.forward = forward
-        self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
-
-    def start(self, seq: list[int]) -> None:
-        self.forward.start()
-
-    def observe(self, v) -> None:
-        pass
-
-    def commit(self, tokens: list[int]) -> None:
-        if isinstance(self.forward, KernelForward):
-            self.forward.follow(self.runner.cache)
-
-    @torch.inference_mode()
-    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
-        """The root and up to budget - 1 (at most MAX_CHAIN) tokens after it (draft_chains)."""
-        k = min(ctx.budget - 1, MAX_CHAIN)
-        if k < 1 or leaves_to_copy(ctx, self.copy):
-            return []
-        (tokens,) = draft_chains(self.forward, [(self.runner.cache, ctx)], k)
-        return [Draft(tokens, list(range(-1, k)), source)]
-
-
-class BatchedQuantDrafter:
-    """One sequence's quantized self-drafter in the batched engine: draft_batch runs every sequence's chain through
-    one 4-bit forward a depth and hands each its own; propose returns it."""
+    """One sequence's quantized self-drafter: draft_batch runs every drafting sequence's chain through one 4-bit
+    forward a depth and hands each its own; propose returns it."""
 
     name = "quant"
 
-    def __init__(self):
+    def __init__(self, forward: KernelForward | TorchForward | RingForward, kv):
+        self.forward = forward  # the engine's, shared by its sequences
+        self.kv = kv  # its sequence's K/V (a KVCache or its SeqPages)
         self.chain: list[int] | None = None  # this step's, from draft_batch
-        self.copy: SuffixCopy | None = None
+        self.copy: SuffixCopy | None = None  # the n-gram drafter's copy, where it drafts beside this one
 
     def start(self, seq: list[int]) -> None:
         self.chain = None
@@ -269,7 +225,9 @@ class BatchedQuantDrafter:
         pass
 
     def commit(self, tokens: list[int]) -> None:
-        pass
+        view = self.kv.page_view() if isinstance(self.forward, KernelForward) else None
+        if view is not None:
+            self.forward.follow(self, KVView(*view, self.kv.length))
 
     def wants(self, ctx: DraftContext) -> bool:
         return ctx.budget > 1 and not leaves_to_copy(ctx, self.copy)
@@ -281,9 +239,9 @@ class BatchedQuantDrafter:
 
 @torch.inference_mode()
 def draft_batch(forward: KernelForward | TorchForward | RingForward,
-                entries: list[tuple[object, BatchedQuantDrafter, DraftContext]]) -> None:
+                entries: list[tuple[object, QuantDrafter, DraftContext]]) -> None:
     """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
-    page's view, with k, v and length; its drafter; its context), all of one step's budget."""
+    store's view, with k, v and length; its drafter; its context), all of one step's budget."""
     if not entries:
         return
     k = min(entries[0][2].budget - 1, MAX_CHAIN)

@@ -13,7 +13,7 @@ from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.partial_kv import PartialKV
 from specrun.decoding.drafters.protocol import Verified
 from specrun.decoding.forward.paged_runner import PagedRunner
-from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.forward.solo_runner import SoloRunner
 from specrun.decoding.verify.trie import Draft, DraftContext
 
 
@@ -50,9 +50,10 @@ def _check_depth(tree: tuple[int, ...], heads: DraftHeads) -> None:
         raise ValueError(f"tree {tree} is {len(tree)} levels deep but {heads.gamma} heads give {heads.gamma + 1}")
 
 
-class _HeadsDraft:
-    """What solo and batched self-drafting share: the tree template over l_0..l_gamma, the partial cache, and the
-    query rows of the last committed token (for the cache's importance) from the last forward that captured them."""
+class SelfDrafter:
+    """One sequence's self-drafter (TokenSwift): the tree template over l_0..l_gamma and its partial cache, which
+    indexes its own K/V and ranks slots by the query rows of the last committed token (from the last forward that
+    captured them); draft_batch runs one draft forward for every drafting sequence and hands each its logits."""
 
     name = "heads"
 
@@ -60,7 +61,9 @@ class _HeadsDraft:
         _check_depth(tree, heads)
         self.heads, self.kv = heads, kv
         self.template = TreeTemplate(tree)
-        self._queries: list[torch.Tensor] = []  # per layer q [rows, Hq, D] (batched) or [Hq, T, D] (solo)
+        self.logits: torch.Tensor | None = None  # [gamma+1, V] of this step, from draft_batch
+        self._queries: list[torch.Tensor] = []  # per layer q [rows, Hq, D]
+        self._offset = 0  # its first row in the verify forward's packed rows
         self._row = -1  # the last committed token's row in them
 
     @property
@@ -74,54 +77,6 @@ class _HeadsDraft:
     def commit(self, tokens: list[int]) -> None:
         pass
 
-    def _draft(self, ctx: DraftContext, source: int, logits: torch.Tensor) -> list[Draft]:
-        """# logits: [gamma+1, V] l_0 (the root's next token) and the heads' l_1..l_gamma"""
-        tokens = self.template.fill(ctx.root, logits)
-        ctx.guess = tokens[1]
-        return [Draft(tokens, self.template.parents, source)]
-
-
-class SelfDrafter(_HeadsDraft):
-    """Drafts with the target model itself, one 1-row forward per step over the partial cache (solo engine)."""
-
-    def __init__(self, runner: ModelRunner, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
-        super().__init__(heads, tree, kv)
-        self.runner = runner
-        self._logits: torch.Tensor | None = None  # [gamma+1, V]: l_0 and the heads' logits of the last draft
-        self._one = torch.ones((1, 1), dtype=torch.bool, device=runner.lm.device)
-
-    def observe(self, v: Verified) -> None:
-        self._row = v.last  # the last committed token's query row in the verify forward's captured queries
-
-    def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
-        cache = self.runner.cache
-        select = self.kv.refresh(cache, self._last_query)
-        dev = cache.k.device
-        tok = torch.tensor([ctx.root], dtype=torch.long, device=dev)
-        pos = torch.tensor([ctx.position], dtype=torch.long, device=dev)
-        # its K/V land in the first free slot, which the verify forward overwrites: scratch, never committed
-        h0 = self.runner.forward(tok, pos, tree_mask=self._one, select=select)  # [1, H]
-        if self._logits is None:
-            self._logits = torch.empty((self.heads.gamma + 1, self.runner.lm_head.weight.shape[0]), device=dev)
-        with torch.inference_mode():
-            self._logits[0] = self.runner.logits(h0)[0]
-            self._logits[1:] = self.heads.logits(h0, self.runner.lm_head)[:, 0]
-        return self._draft(ctx, source, self._logits)
-
-    def _last_query(self) -> torch.Tensor:
-        """# -> [Lyr, Hq, D] query of the last committed token, per layer"""
-        return torch.stack([q[:, self._row] for q in self.runner.queries])
-
-
-class BatchedSelfDrafter(_HeadsDraft):
-    """One sequence's self-drafter in the batched engine: its partial cache indexes its own pages; draft_batch runs
-    one draft forward for every sequence and hands each its logits."""
-
-    def __init__(self, heads: DraftHeads, tree: tuple[int, ...], kv: PartialKV):
-        super().__init__(heads, tree, kv)
-        self.logits: torch.Tensor | None = None  # [gamma+1, V] of this step, from draft_batch
-        self._offset = 0  # its first row in the verify forward's packed rows
-
     def see_queries(self, queries: list[torch.Tensor], offset: int) -> None:
         """The forward that just ran (a verify, or prefill with offset -1 for its last row) captured these."""
         self._queries, self._offset = queries, offset
@@ -130,19 +85,22 @@ class BatchedSelfDrafter(_HeadsDraft):
         self._row = self._offset + v.last
 
     def propose(self, ctx: DraftContext, source: int) -> list[Draft]:
+        """# self.logits: [gamma+1, V] l_0 (the root's next token) and the heads' l_1..l_gamma"""
         if self.logits is None:
             return []
-        logits, self.logits = self.logits, None
-        return self._draft(ctx, source, logits)
+        tokens = self.template.fill(ctx.root, self.logits)
+        self.logits = None
+        ctx.guess = tokens[1]
+        return [Draft(tokens, self.template.parents, source)]
 
     def last_query(self) -> torch.Tensor:
         """# -> [Lyr, Hq, D] query of the last committed token, per layer"""
         return torch.stack([q[self._row] for q in self._queries])
 
 
-def draft_batch(runner: PagedRunner, heads: DraftHeads, entries: list) -> None:
+def draft_batch(runner: PagedRunner | SoloRunner, heads: DraftHeads, entries: list) -> None:
     """One draft forward for every self-drafting sequence: its root at its position, over its partial cache; sets
-    each drafter's logits (l_0, l_1..l_gamma). entries: (SeqPages, BatchedSelfDrafter, root, position) per sequence."""
+    each drafter's logits (l_0, l_1..l_gamma). entries: (its K/V, its SelfDrafter, root, position) per sequence."""
     dev = runner.lm.device
     one = torch.ones((1, 1), dtype=torch.bool, device=dev)
     selects = [d.kv.refresh(pages, d.last_query) for pages, d, _, _ in entries]

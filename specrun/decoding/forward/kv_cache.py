@@ -62,3 +62,10 @@ class KVCache:
     def append(self, n: int) -> None:
         """Commit n slots written in order (prefill)."""
         self.length += n
+
+    def page_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer, [Lyr, Hkv, S, D] each: one store holds the whole sequence (SeqPages.page_view's)."""
+        return self.k, self.v
+
+    def release(self) -> None:
+        """The sequence is done (SeqPages.release's): nothing to give back, the next one's reset empties the cache."""

@@ -34,6 +34,10 @@ class PagedRunner(DecoderRunner):
                              lm.dtype, lm.device)
         self._flashinfer = FlashInferAttention(lm.device) if backend == "flashinfer" else None
 
+    def admit(self, n_tokens: int) -> SeqPages | None:
+        """A sequence's page table that can always grow to n_tokens, or None when the pool cannot promise them."""
+        return self.pool.admit(n_tokens)
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqPages], tokens: list[torch.Tensor], positions: list[torch.Tensor],
                 tree_masks: list[torch.Tensor], selects: list | None = None,

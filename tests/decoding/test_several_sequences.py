@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from specrun.decoding.batch_engine import BatchConfig, BatchEngine
-from specrun.decoding.engine import Engine, EngineConfig
+from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.dense_attention import attend_dense, dense_rows
 from specrun.decoding.forward.paged_attention import attend_paged, attend_sdpa, resolve_backend, sdpa_spans
 from specrun.decoding.forward.paged_kv import PagePool
@@ -169,7 +168,7 @@ def test_each_sequence_equals_its_solo_run_whatever_runs_beside_it(load_fixture,
     refs = {key: solo(lm, p, params, drafters) for key, p, params in mixed}
     assert refs["stop"].finish_reason == "stop"
     for concurrency in (1, 2, 5):  # arrivals mid-run when fewer slots than requests
-        engine = BatchEngine(lm, EngineConfig(drafters=drafters, adaptive_budget=False),  # every step drafts
+        engine = Engine(lm, EngineConfig(drafters=drafters, adaptive_budget=False),  # every step drafts
                              BatchConfig(concurrency=concurrency, kv_tokens=5 * 256, page_size=page_size,
                                          backend=backend))
         got = engine.run([(key, p, params, []) for key, p, params in mixed])
@@ -185,7 +184,7 @@ def test_resumed_sequence_and_page_size_do_not_change_tokens(load_fixture):
     prompt = lm.tokenizer.encode(REPETITIVE)
     params = SamplingParams(max_tokens=50, temperature=0.8, seed=5, ignore_eos=True)
     ref = solo(lm, prompt, params, ("ngram",)).token_ids
-    engine = BatchEngine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, page_size=4, kv_tokens=512))
+    engine = Engine(lm, EngineConfig(drafters=("ngram",)), BatchConfig(concurrency=2, page_size=4, kv_tokens=512))
     got = engine.run([("resumed", prompt, params, ref[:17]), ("fresh", prompt, params, [])])
     assert got["resumed"].token_ids == ref and got["fresh"].token_ids == ref
 
@@ -194,7 +193,7 @@ def test_plain_ar_batch_and_stop_callback(load_fixture):
     lm = load_fixture("llama_mha", dtype="float32")
     prompts = [lm.tokenizer.encode(t) for t in ("abc abc", "hello", "the cat sat")]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    engine = BatchEngine(lm, EngineConfig(drafters=()), BatchConfig(concurrency=3, kv_tokens=256))
+    engine = Engine(lm, EngineConfig(drafters=()), BatchConfig(concurrency=3, kv_tokens=256))
     seen = {}
 
     def on_step(key, emitted):
@@ -209,9 +208,24 @@ def test_plain_ar_batch_and_stop_callback(load_fixture):
     assert got[1].finish_reason == "stopped"
 
 
+def test_an_engine_of_one_sequence_runs_requests_in_turn_and_steps_needs_it_idle(load_fixture):
+    """Concurrency 1: run() admits one request at a time into the one cache, each getting its generate() output (the
+    cache emptied at each admission); steps() drives one sequence on an idle engine and refuses beside another."""
+    lm = load_fixture("llama_mha", dtype="float32")
+    prompts = [lm.tokenizer.encode(t) for t in (REPETITIVE, "hello", "the cat sat")]
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=2, ignore_eos=True)
+    engine = Engine(lm, EngineConfig(drafters=("ngram",)))
+    refs = [engine.generate(p, params).token_ids for p in prompts]
+    got = engine.run([(i, p, params, []) for i, p in enumerate(prompts[::-1])])
+    assert [got[i].token_ids for i in range(3)] == refs[::-1]
+    assert engine.admit("x", prompts[0], params) and not engine.admit("y", prompts[1], params)  # its one slot
+    with pytest.raises(RuntimeError, match="none in flight"):
+        next(engine.steps(prompts[1], params))
+
+
 def test_pool_too_small_for_a_request_is_a_clear_error(load_fixture):
     lm = load_fixture("llama_mha", dtype="float32")
-    engine = BatchEngine(lm, EngineConfig(drafters=()), BatchConfig(concurrency=2, kv_tokens=32))
+    engine = Engine(lm, EngineConfig(drafters=()), BatchConfig(concurrency=2, kv_tokens=32))
     with pytest.raises(ValueError, match="needs more KV slots"):
         engine.run([("big", [1, 2, 3], SamplingParams(max_tokens=100), [])])
 
@@ -262,7 +276,7 @@ def test_batched_heads_draft_as_the_solo_engine_does(load_fixture, mode, page_si
         # a budget below the prompt lengths puts the partial caches to work from the first step
         cfg = EngineConfig(drafters=drafters, kv_mode=mode, kv_budget=24, kv_sinks=4, adaptive_budget=False)
         refs = {key: Engine(lm, cfg, heads=heads).generate(p, params) for key, p, params in requests}
-        engine = BatchEngine(lm, cfg, BatchConfig(concurrency=3, kv_tokens=3 * 512, page_size=page_size), heads=heads)
+        engine = Engine(lm, cfg, BatchConfig(concurrency=3, kv_tokens=3 * 512, page_size=page_size), heads=heads)
         got = engine.run(requests)
         for key, _, _ in requests:
             assert got[key].token_ids == refs[key].token_ids, (drafters, key)
