@@ -1,4 +1,4 @@
-"""specrun.LLM: a model loaded once in this process; generate(prompts) -> [Output] (several prompts: the batched engine),
+"""specrun.LLM: a model loaded once in this process; generate(prompts) -> [Output] (several prompts: an engine of several),
 stream(prompt) -> Deltas as tokens are accepted. Tokens equal `specrun generate`'s (a dict prompt: a job's line's).
 """
 
@@ -115,7 +115,7 @@ class LLM:
         # an instruct model answers a request sent as a user message; raw text it may just end (smollm2: EOS at once)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat == "auto" else bool(chat)
         self.max_concurrency = max_concurrency
-        self._engine = None  # the solo engine, built once: its recycling matrix learns across prompts
+        self._engine = None  # the engine of one prompt at a time, built once: its recycling matrix learns across prompts
         if self.lm.is_demo:
             warnings.warn(DEMO_NOTICE, stacklevel=2)
 
@@ -127,7 +127,7 @@ class LLM:
         """One Output per prompt, in order. A prompt is text, a list of {role, content} messages (chat template), a
         list of token ids, or a dict as a prompts.jsonl line (id, overrides; its seed derived from the id as a job
         derives it); one prompt alone may be given bare. sampling: one SamplingParams for all or one per prompt
-        (default: greedy, 256 tokens). Several prompts run at once on the batched engine. PromptError when a prompt
+        (default: greedy, 256 tokens). Several prompts run at once, one engine step for all. PromptError when a prompt
         is bad (nothing is generated then)."""
         from specrun.actors.memory import batch_engine, kv_need, page_size_for
 

@@ -14,7 +14,7 @@ AUTO_MAX = {"cpu": 16, "cuda": 16}  # --concurrency auto never goes past: per-st
 CUDA_RESERVE = 0.10  # of the GPU's total memory, kept for activations, logits and the allocator's slack
 CPU_SHARE = 0.5  # of the memory available now, split between the CPU workers (the rest: the OS, the driver, Ray)
 GiB = 2**30
-CUDA_PAGE_SIZE = 16  # KV page of the batched engine on GPUs (flashinfer's paged kernels)
+CUDA_PAGE_SIZE = 16  # KV page of an engine of several sequences on GPUs (flashinfer's paged kernels)
 
 
 def kv_budget_bytes(device: str, workers: int, cgroup: Path = Path("/sys/fs/cgroup")) -> int:

@@ -50,7 +50,7 @@ class WorkerSpec:
     concurrency: int = 1  # sequences generated at once (decoding/engine.py carries them in one step)
     auto_concurrency: bool = False  # concurrency is a cap: load() lowers it to what the KV memory budget holds
     kv_need: int = 0  # KV slots one sequence may need (the job's longest prompt + max_tokens + a trie)
-    page_size: int = 1  # the batched engine's KV pages hold this many tokens
+    page_size: int = 1  # with concurrency > 1 the engine's KV pages hold this many tokens
     workers: int = 1  # the run's workers (a CPU worker's memory budget is its share)
     rope_scaling: str | None = None  # the job's context extension (models/rope.py)
 
@@ -218,7 +218,7 @@ class _Checkpointer:
         self.failures: dict[str, list] = {}  # what -> [count, last error]
         self.timeline = TimelineLog(timeline_path(worker.root, prompt_id), resumed)
         self.row_at, self.row_stats = self.t0, {}  # where the next timeline row starts: clock, engine counters
-        self.stats = None  # () -> this generation's GenStats (set by the worker: solo engine or batch loop)
+        self.stats = None  # () -> this generation's GenStats (set by the worker: its engine or its batch loop)
         self.disk_full: str | None = None  # the first write refused for lack of space
         self._live(time.monotonic(), force=True)
 

@@ -69,7 +69,7 @@ class _Active:
 
 
 class Engine:
-    def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(),
+    def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(), *,
                  heads: DraftHeads | None = None):
         self.solo = solo = batch.concurrency == 1
         heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo=solo, whole_pages=batch.page_size > 1)
@@ -157,15 +157,17 @@ class Engine:
             if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
                 quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
             full = self.config.trie_budget
-            for a in live:
-                drafts = draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device)
-                a.trie = build_trie(a.st.root, drafts, budget, self.lm.device)
-            t_draft = time.perf_counter() - t
-            t = time.perf_counter()
+            drafts = [draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device) for a in live]
+            t_trie = time.perf_counter()
+            for a, d in zip(live, drafts):
+                a.trie = build_trie(a.st.root, d, budget, self.lm.device)
+            t_forward = time.perf_counter()
             hidden, logits = self._verify(live)
-            t_forward = time.perf_counter() - t
+            seconds = {"draft": t_trie - t, "trie": t_forward - t_trie, "forward": time.perf_counter() - t_forward}
             accepted, offset = [], 0
             for a in live:
+                for phase, sec in seconds.items():  # every sequence waited for the whole step's drafting and forward
+                    a.stats.phase[phase] += sec  # (before accept records the step: its length bucket counts them)
                 rows = slice(offset, offset + a.trie.size)
                 if a.heads is not None and self._capture:
                     a.heads.see_queries(self.runner.queries, offset)
@@ -181,8 +183,6 @@ class Engine:
                 if shadows:
                     tuner.observe_shadow(shadows)
             for a, (_, emitted) in zip(live, accepted):
-                a.stats.phase["draft"] += t_draft  # every sequence waited for the whole batch's drafting and forward
-                a.stats.phase["forward"] += t_forward
                 a.done = a.st.finished()
                 if on_step is not None and on_step(a.key, emitted) and not a.done:
                     a.done = "stopped"
@@ -235,15 +235,14 @@ class Engine:
     def run(self, requests: Iterable[tuple[object, list[int], SamplingParams, list[int]]],
             on_step: Callable[[object, list[int]], bool] | None = None) -> dict[object, GenerationResult]:
         """Keep up to `concurrency` sequences in flight, in the order given (callers put the longest first)."""
-        pending = list(requests)
+        pending, self.drafters = list(requests), None  # steps()'s last sequence's drafters go
         results: dict[object, GenerationResult] = {}
         while pending or self.active:
             while pending and self.admit(*pending[0]):
                 pending.pop(0)
             if pending and not self.active:
                 key, prompt, params, _ = pending[0]
-                raise ValueError(f"request {key!r} needs more KV slots ({len(prompt)} + {params.max_tokens} tokens) "
-                                 f"than the pool holds ({self.batch.kv_tokens}): raise kv_tokens")
+                raise self._too_big(f"request {key!r}", prompt, params)
             results.update(self.step(on_step))
         return results
 
@@ -267,17 +266,23 @@ class Engine:
             raise RuntimeError("steps() runs one sequence on an engine with none in flight")
         key, self.drafters = object(), None  # the last one's drafters go (a draft forward keeps state per drafter)
         if not self.admit(key, prompt_ids, params, resume_from):
-            raise ValueError(f"the prompt ({len(prompt_ids)} + {params.max_tokens} tokens) needs more KV slots than "
-                             f"the pool holds ({self.batch.kv_tokens}): raise kv_tokens")
+            raise self._too_big("the prompt", prompt_ids, params)
         self.stats, self.drafters = self.active[-1].stats, self.active[-1].drafters
         emitted: list[int] = []
-        while True:
-            emitted.clear()
-            done = self.step(lambda _, e: emitted.extend(e))
-            if done:
-                if emitted:
-                    yield list(emitted)
-                return done[0][1]
-            if (yield list(emitted)):
-                self.active[0].done = "stopped"
-                return self._retire(self.active[0])[1]
+        try:
+            while True:
+                emitted.clear()
+                done = self.step(lambda _, e: emitted.extend(e))
+                if done:
+                    if emitted:
+                        yield list(emitted)
+                    return done[0][1]
+                if (yield list(emitted)):
+                    self.active[0].done = "stopped"
+                    return self._retire(self.active[0])[1]
+        finally:  # a step or the caller failed, or the caller dropped the generator: the engine is free again
+            self.drop(key)
+
+    def _too_big(self, who: str, prompt: list[int], params: SamplingParams) -> ValueError:
+        return ValueError(f"{who} needs more KV slots ({len(prompt)} + {params.max_tokens} tokens) than the pool holds "
+                          f"({self.batch.kv_tokens}): raise kv_tokens")

@@ -31,7 +31,7 @@ class RunOptions:
     engine: EngineConfig | None = None  # its attention backend must be the job's (jobdir.OUTPUT_KEYS)
     checkpoint_every: int | None = None
     checkpoint_seconds: float | None = None
-    concurrency: int | str = "auto"  # sequences per worker at once (batched engine when > 1); auto: from memory
+    concurrency: int | str = "auto"  # sequences per worker at once (one engine step for all); auto: from memory
 
     def __post_init__(self):
         if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):

@@ -1,4 +1,4 @@
-"""specrun.LLM: generate (several prompts: the batched engine) equals `specrun generate --json` prompt by prompt; the
+"""specrun.LLM: generate (several prompts: one engine step for all) equals `specrun generate --json` prompt by prompt; the
 stream yields exactly the final token ids and text (stop strings included); errors are SpecrunErrors; import is cheap.
 """
 
@@ -31,7 +31,7 @@ def params():
 
 
 def test_generate_equals_cli_generate_json(tiny_models, llm, params):
-    outs = llm.generate(PROMPTS, params)  # three at once: the batched engine
+    outs = llm.generate(PROMPTS, params)  # three at once: one engine step
     for prompt, out in zip(PROMPTS, outs):
         res = CliRunner().invoke(main, ["generate", "--model", tiny_models["llama_gqa"], "--prompt", prompt, "--json",
                                         *FLAGS], catch_exceptions=False)

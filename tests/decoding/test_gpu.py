@@ -1,5 +1,5 @@
 """The CUDA path against its CPU twins: the static (CUDA-graph) step against eager AR, the sampler on CUDA against the
-CPU, flashinfer's batched engine against solo AR. Tests marked gpu skip without CUDA; the static step's twin runs
+CPU, the engine of several on flashinfer against one-sequence AR. Tests marked gpu skip without CUDA; the static step's twin runs
 here."""
 
 import pytest

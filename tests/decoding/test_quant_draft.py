@@ -265,7 +265,7 @@ def test_an_off_grid_model_still_gets_its_own_output(model_dir, path, dtype):
 def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model_dir, tmp_path):
     lm = load_model(str(model_dir), dtype="float32")
     assert quantized(FusedDecoder.of(lm.model)) is not None  # torch's kernels take float32 models too
-    # a batched engine drafts with it where each sequence's K/V is one page (the CPU's layout), not over pages of 1
+    # an engine of several drafts with it where each sequence's K/V is one page (the CPU's layout), not over pages of 1
     assert "quant" in Engine(lm, EngineConfig(), BatchConfig(concurrency=2, page_size=256, kv_tokens=512)).names
     assert "quant" not in Engine(lm, EngineConfig(), BatchConfig(concurrency=2)).names
     with pytest.raises(ValueError, match="one KV page a sequence"):

@@ -131,7 +131,7 @@ def compiled_lm(model_dir):  # noqa: F811
 
 
 def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(compiled_lm, monkeypatch):
-    """--compile: the solo engine's 4-bit chains come from the compiled graph (compiled when the engine starts, never
+    """--compile: one sequence's 4-bit chains come from the compiled graph (compiled when the engine starts, never
     during a generation), and its output is AR's."""
     lm = compiled_lm
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
@@ -211,7 +211,7 @@ def test_several_sequences_draft_each_in_its_own_ring_and_a_finished_ones_ring_i
 
 
 def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compiled_graph(compiled_lm, monkeypatch):
-    """--compile with several prompts on a worker: the batched engine's 4-bit chains come from the compiled graph, one
+    """--compile with several prompts on a worker: the engine's 4-bit chains come from the compiled graph, one
     call a depth for all, each sequence in its own ring; every output is its solo AR run's."""
     from specrun.decoding.engine import BatchConfig, Engine
 
@@ -298,7 +298,7 @@ def _spy_compiles(monkeypatch) -> list[bool]:
 
 def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(model_dir,  # noqa: F811
                                                                                      monkeypatch, fresh_cache):
-    """The batched engine's compile_draft auto, its several-sequences package not cached: its eager draft until the
+    """An engine of several sequences: compile_draft auto, its several-sequences package not cached: its eager draft until the
     sequences it admitted ask for COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every sequence;
     outputs their solo AR runs'."""
     from specrun.decoding import config as engine_config

@@ -1,4 +1,5 @@
-"""Batched engine (issue 12): paged pool, plan arrays, `paged` == `sdpa`, and per-sequence outputs equal solo runs."""
+"""The engine with several sequences a step (and one: run(), steps()): paged pool, plan arrays, `paged` ==
+`sdpa`, and per-sequence outputs equal solo runs."""
 
 import numpy as np
 import pytest
@@ -221,6 +222,35 @@ def test_an_engine_of_one_sequence_runs_requests_in_turn_and_steps_needs_it_idle
     assert engine.admit("x", prompts[0], params) and not engine.admit("y", prompts[1], params)  # its one slot
     with pytest.raises(RuntimeError, match="none in flight"):
         next(engine.steps(prompts[1], params))
+
+
+def test_a_failed_or_abandoned_generation_leaves_the_engine_free(load_fixture):
+    """A step that raises, an on_step that raises, a steps() generator dropped half way: the sequence goes, and the
+    next generation on the engine runs as on a fresh one."""
+    lm = load_fixture("llama_mha", dtype="float32")
+    prompt = lm.tokenizer.encode(REPETITIVE)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = Engine(lm, EngineConfig(drafters=("ngram",)))
+    first = engine.generate(prompt, params)
+    ref = first.token_ids
+    assert first.stats["phase_seconds"]["trie"] > 0  # building the tries is a phase of its own, not the drafts'
+    forward = engine.runner.forward
+
+    def fails(*args, **kwargs):
+        engine.runner.forward = forward
+        raise RuntimeError("out of memory")
+
+    engine.runner.forward = fails
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.generate(prompt, params)
+    assert not engine.active and engine.generate(prompt, params).token_ids == ref
+    with pytest.raises(KeyError):
+        engine.generate(prompt, params, on_step=lambda emitted: {}[0])
+    assert not engine.active and engine.generate(prompt, params).token_ids == ref
+    steps = engine.steps(prompt, params)
+    next(steps)
+    steps.close()
+    assert not engine.active and engine.generate(prompt, params).token_ids == ref
 
 
 def test_pool_too_small_for_a_request_is_a_clear_error(load_fixture):

@@ -85,9 +85,9 @@ class _Graph(torch.nn.Module):
 
 
 class RingForward:
-    """TorchForward's draft through the compiled graph for one sequence or several (a batched engine's), each with a
-    ring of its own: attention over positions [0, SINKS) and the last WINDOW (this token's included), as TorchForward
-    attends the target's cache. A ring belongs to an owner (the solo engine's cache, a batched sequence's drafter);
+    """TorchForward's draft through the compiled graph for one sequence or several a call, each with a ring of its
+    own: attention over positions [0, SINKS) and the last WINDOW (this token's included), as TorchForward attends the
+    target's cache. A ring belongs to an owner (a sequence's drafter; by default the cache passed in);
     the ring of an owner that is gone is freed and the others moved down, so the drafting rings are one slice."""
 
     def __init__(self, fwd: TorchForward):

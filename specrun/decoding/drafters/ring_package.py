@@ -22,7 +22,7 @@ import torch
 
 from specrun.models.cache import cache_root
 
-MAX_ROWS = 1024  # sequences in one call of the several-rows package (a batched engine's concurrency; more: split)
+MAX_ROWS = 1024  # sequences in one call of the several-rows package (an engine's concurrency; more: split)
 ABANDONED = 3600  # seconds after which a build's temporary file is a killed process's leftover
 SAMPLE = 1 << 14  # bytes hashed at each of 64 places of a large weight (all of a small one)
 # the modules whose code the graph runs: a change to any of them names a new package

@@ -1,6 +1,6 @@
 """One generation in flight: committed tokens, the target's choice per trie node, stop rules, the penalty window.
 
-Shared by the solo engine and the batched one: per sequence, AR's token at each position depends only on this state.
+One per sequence of the engine's step: AR's token at each position depends only on this state.
 """
 
 from __future__ import annotations
