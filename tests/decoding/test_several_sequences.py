@@ -83,6 +83,14 @@ def test_dense_equals_sdpa_on_random_ragged_tries(dtype, monkeypatch):
     attend_dense(dense, pool.k[0], pool.v[0], q, None, got)
     tol = 1e-12 if dtype == torch.float64 else 2e-2
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # scores as sdpa takes them (float32): about sdpa's distance from float64, not 3-5x
+        q = (q.float() * 6).to(dtype)  # scores of a sharp softmax, as a model's are, where a rounded score shows
+        spans = sdpa_spans(plan, Hq // Hkv, q.device)
+        exact = attend_sdpa(spans, pool.k[0].double(), pool.v[0].double(), q.double(), None)
+        attend_dense(dense, pool.k[0], pool.v[0], q, None, got)
+        ours, sdpas = ((x.double() - exact).abs().max().item() for x in (got, attend_sdpa(spans, pool.k[0], pool.v[0],
+                                                                                           q, None)))
+        assert ours <= 2 * sdpas, (ours, sdpas)
     assert dense_rows(build_plan(seqs[:1], masks[:1], pack_mask=False), Hkv, Hq // Hkv, "cpu") is None  # one: sdpa
     monkeypatch.setattr("specrun.decoding.forward.dense_attention.DENSE_MAX_SCORES", 6 * Hkv * 192 * 3 * 17 * 4 - 1)
     assert dense_rows(plan, Hkv, Hq // Hkv, "cpu") is None  # scores over the cap: the per-sequence path

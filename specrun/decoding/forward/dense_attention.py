@@ -61,8 +61,9 @@ def dense_rows(plan: BatchPlan, n_kv: int, G: int, device) -> Dense | None:
 
 
 def attend_dense(d: Dense, k_store, v_store, q: torch.Tensor, scaling, out: torch.Tensor) -> None:
-    """Scores K Q^T per (page, KV head) over the pages in place (a strided view, no copy; K as the left operand keeps
-    bf16 matmul on its fast path), the tree masks, float32 softmax, then P V.
+    """Scores K Q^T per (page, KV head) over the pages, in float32 as sdpa takes them (a bf16 product rounds each
+    score to 8 bits: 3-5x sdpa's error against float64, enough to part tokens from AR past a near tie), the tree masks,
+    float32 softmax, then P V in the model's dtype.
 
     # q: [Ntok, Hq, D], stores: [Pg, Hkv, P, D]; writes out[d.rows]
     """
@@ -75,8 +76,8 @@ def attend_dense(d: Dense, k_store, v_store, q: torch.Tensor, scaling, out: torc
     qp = q.new_zeros((d.Pb * T, Hq, D))
     qp[d.slots] = q[d.rows]
     qb = qp.view(d.Pb, T, Hkv, G, D).permute(0, 2, 4, 3, 1).reshape(B, D, G * T)  # columns g*T + t
-    s = torch.bmm(keys, qb).view(d.Pb, Hkv, d.S, G * T)
-    s = s.to(torch.promote_types(q.dtype, torch.float32)).mul_(scale).add_(d.bias)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.bmm(keys.to(acc), qb.to(acc)).view(d.Pb, Hkv, d.S, G * T).mul_(scale).add_(d.bias)
     page, key, col = d.hidden
     if page.numel():
         s[page, :, key, col] = float("-inf")
