@@ -149,46 +149,59 @@ class Engine:
         if live:
             t_step = time.perf_counter()
             tuner = self.tuner = self._tuner(len(live), all(a.st.params.greedy for a in live))
-            budget = tuner.choose() if tuner else self.config.trie_budget
+            budget = tuner.choose() if tuner else self.config.trie_budget  # schedule: the width of every trie
+            seconds = self._draft(live, budget)
             t = time.perf_counter()
-            drafting = [a for a in live if a.heads is not None] if budget > 1 else []
-            if drafting:  # one self-draft forward for all: each root over its own partial cache
-                draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
-            if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
-                quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
-            full = self.config.trie_budget
-            drafts = [draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device) for a in live]
-            t_trie = time.perf_counter()
-            for a, d in zip(live, drafts):
-                a.trie = build_trie(a.st.root, d, budget, self.lm.device)
-            t_forward = time.perf_counter()
             hidden, logits = self._verify(live)
-            seconds = {"draft": t_trie - t, "trie": t_forward - t_trie, "forward": time.perf_counter() - t_forward}
-            accepted, offset = [], 0
-            for a in live:
-                for phase, sec in seconds.items():  # every sequence waited for the whole step's drafting and forward
-                    a.stats.phase[phase] += sec  # (before accept records the step: its length bucket counts them)
-                rows = slice(offset, offset + a.trie.size)
-                if a.heads is not None and self._capture:
-                    a.heads.see_queries(self.runner.queries, offset)
-                offset += a.trie.size
-                accepted.append(accept(a.st, a.trie, logits[rows], hidden[rows], a.kv, a.drafters, a.stats,
-                                       self.drafting.coupled, budget if self.names else 1, ("recycling",)))
-            if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
-                self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
+            seconds["forward"] = time.perf_counter() - t
+            accepted = self._accept(live, budget, hidden, logits, seconds)
             if tuner:  # the whole step's cost (drafting and bookkeeping too) against the width every sequence used
                 tuner.observe_batch(budget, [nodes for nodes, _ in accepted], time.perf_counter() - t_step,
                                     sum(a.trie.size for a in live) / len(live))
                 shadows = [p for a in live if a.shadow is not None and (p := a.shadow.resolve(a.st.out)) is not None]
                 if shadows:
                     tuner.observe_shadow(shadows)
-            for a, (_, emitted) in zip(live, accepted):
+            for a, (_, emitted) in zip(live, accepted):  # emit
                 a.done = a.st.finished()
                 if on_step is not None and on_step(a.key, emitted) and not a.done:
                     a.done = "stopped"
                 if a.done:
                     finished.append(a)
         return [self._retire(a) for a in finished]
+
+    def _draft(self, live: list[_Active], budget: int) -> dict[str, float]:
+        """Every sequence's trie of `budget` nodes: the forward drafters run once for all (the self-draft's one forward,
+        the 4-bit chains' one forward a depth), then each sequence's drafters propose and merge. -> seconds by phase"""
+        t = time.perf_counter()
+        drafting = [a for a in live if a.heads is not None] if budget > 1 else []
+        if drafting:  # one self-draft forward for all: each root over its own partial cache
+            draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
+        if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
+            quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
+        full = self.config.trie_budget
+        drafts = [draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device) for a in live]
+        t_trie = time.perf_counter()
+        for a, d in zip(live, drafts):
+            a.trie = build_trie(a.st.root, d, budget, self.lm.device)
+        return {"draft": t_trie - t, "trie": time.perf_counter() - t_trie}
+
+    def _accept(self, live: list[_Active], budget: int, hidden: torch.Tensor, logits: torch.Tensor,
+                seconds: dict[str, float]) -> list[tuple[list[int], list[int]]]:
+        """Each sequence's accept on its rows (choose, walk, stop rules, commit, update its drafters), then the shared
+        recycling matrix learns every row. # hidden: [N, H], logits: [N, V] -> per sequence (accepted nodes, emitted)"""
+        accepted, offset = [], 0
+        for a in live:
+            for phase, sec in seconds.items():  # every sequence waited for the whole step's drafting and forward
+                a.stats.phase[phase] += sec  # (before accept records the step: its length bucket counts them)
+            rows = slice(offset, offset + a.trie.size)
+            if a.heads is not None and self._capture:
+                a.heads.see_queries(self.runner.queries, offset)
+            offset += a.trie.size
+            accepted.append(accept(a.st, a.trie, logits[rows], hidden[rows], a.kv, a.drafters, a.stats,
+                                   self.drafting.coupled, budget if self.names else 1, ("recycling",)))
+        if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
+            self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
+        return accepted
 
     def _retire(self, a: _Active) -> tuple[object, GenerationResult]:
         if a.heads is not None:
@@ -198,8 +211,7 @@ class Engine:
         return a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())
 
     def stats_of(self, key) -> GenStats:
-        """The counters of an active sequence (a checkpointer reads them from its on_step)."""
-        return next(a.stats for a in self.active if a.key == key)
+        return next(a.stats for a in self.active if a.key == key)  # a checkpointer reads them from its on_step
 
     def drop(self, key) -> None:
         """Forget an active sequence without a result (its step failed); its K/V go back to the pool."""
