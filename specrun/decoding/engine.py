@@ -230,11 +230,11 @@ class Engine:
     def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, QuantDrafter, object] | None:
         """What the 4-bit forward needs of a sequence that drafts with it this step: its K/V (one store a sequence:
         the CPU's layout), its drafter, its context; None if it does not."""
-        view = a.kv.page_view() if a.quant is not None else None
+        view = KVView.of(a.kv) if a.quant is not None else None
         ctx = a.st.draft_context(budget, True) if view is not None else None
         if ctx is None or not a.quant.wants(ctx):
             return None
-        return KVView(*view, a.kv.length), a.quant, ctx
+        return view, a.quant, ctx
 
     def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""

@@ -143,6 +143,12 @@ class KVView:
     v: torch.Tensor
     length: int
 
+    @classmethod
+    def of(cls, kv) -> KVView | None:
+        """A sequence's K/V (a KVCache or its SeqPages) where one store holds them all (the CPU's layout); else None."""
+        view = kv.page_view()
+        return None if view is None else cls(*view, kv.length)
+
 
 def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], positions: list[int],
          ids: torch.Tensor | None = None) -> list[int]:
@@ -176,8 +182,8 @@ def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list
                  owners: list | None = None) -> list[list[int]]:
     """Each row's root and k tokens after it, each AR's pick under the 4-bit model, every row through one forward a
     depth; rows: (its KV: a KVCache or a page's view, its context); owners: each row's drafter, default its KV (the
-    compiled draft keeps a ring, our kernels' draft a window per owner). The penalty window is the committed one plus the drafted tokens (a token leaving it is not
-    tracked)."""
+    compiled draft keeps a ring, our kernels' draft a window per owner). The penalty window is the committed one plus
+    the drafted tokens (a token leaving it is not tracked)."""
     ctxs = [ctx for _, ctx in rows]
     counts = [None if c.present is None or not c.params.uses_penalty else c.present.to(torch.int32) for c in ctxs]
     thetas = [c.params.penalty if n is not None else 1.0 for c, n in zip(ctxs, counts)]
@@ -225,9 +231,9 @@ class QuantDrafter:
         pass
 
     def commit(self, tokens: list[int]) -> None:
-        view = self.kv.page_view() if isinstance(self.forward, KernelForward) else None
+        view = KVView.of(self.kv) if isinstance(self.forward, KernelForward) else None
         if view is not None:
-            self.forward.follow(self, KVView(*view, self.kv.length))
+            self.forward.follow(self, view)
 
     def wants(self, ctx: DraftContext) -> bool:
         return ctx.budget > 1 and not leaves_to_copy(ctx, self.copy)

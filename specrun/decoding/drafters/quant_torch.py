@@ -159,9 +159,6 @@ class TorchForward:
         self.caches: list = []
         self.cos = self.sin = None  # [B, k, 1, D] bf16 of the draft's positions
 
-    def start(self) -> None:
-        pass  # it reads the target's cache itself: nothing kept across sequences
-
     def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
         """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
         [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page); owners: RingForward's."""
