@@ -129,19 +129,18 @@ class LLM:
         derives it); one prompt alone may be given bare. sampling: one SamplingParams for all or one per prompt
         (default: greedy, 256 tokens). Several prompts run at once, one engine step for all. PromptError when a prompt
         is bad (nothing is generated then)."""
-        from specrun.actors.memory import batch_engine, kv_need, page_size_for
+        from specrun.actors.memory import concurrency_for, engine_for, kv_need, page_size_for
 
         reqs = self._requests(prompts, sampling)
+        engine = None  # several prompts: an engine of as many at once as the KV memory holds; else the one-prompt one
         if len(reqs) > 1 and self.config.attention == "sdpa" and self.max_concurrency > 1:
             need = kv_need(max(len(ids) + p.max_tokens for ids, p, _ in reqs), self.config.trie_budget)
             device = self.lm.device.type
-            engine, _ = batch_engine(self.lm, self.config, min(len(reqs), self.max_concurrency), need,
-                                     page_size_for(device, need), device)
-            if engine is not None:
-                order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))
-                results = engine.run([(i, reqs[i][0], reqs[i][1], []) for i in order])  # longest first
-                return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]
-        return [self._output(ids, p, self._solo().generate(ids, p), pid) for ids, p, pid in reqs]
+            n = concurrency_for(self.lm, self.config, min(len(reqs), self.max_concurrency), need, device)
+            engine = engine_for(self.lm, self.config, n, need, page_size_for(device, need)) if n > 1 else None
+        order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))  # longest first
+        results = (engine or self._solo()).run([(i, reqs[i][0], reqs[i][1], []) for i in order])
+        return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]
 
     def stream(self, prompt, sampling: SamplingParams | None = None) -> Stream:
         """One prompt's generation as it runs: an iterator of Deltas (token ids as accepted, safe text); the joined

@@ -95,22 +95,26 @@ def page_size_for(device: str, need: int) -> int:
     return need if device == "cpu" else CUDA_PAGE_SIZE
 
 
-def batch_engine(lm, config, cap: int, need: int, page_size: int, device: str, workers: int = 1, auto: bool = True):
-    """(Engine, N) for up to `cap` sequences of `need` KV slots each, N checked against (or, auto, fitted to) the
-    KV memory this worker can give; (None, 1) when one sequence at a time is all it gets."""
-    from specrun.decoding.engine import BatchConfig, Engine
+def concurrency_for(lm, config, cap: int, need: int, device: str, workers: int = 1, auto: bool = True) -> int:
+    """Sequences at once (1..cap) of `need` KV slots each: checked against (or, auto, fitted to) the KV memory this
+    worker can give."""
     from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 
     if cap == 1:
-        return None, 1
+        return 1
     per_token = kv_bytes_per_token(lm.model.config, lm.dtype)
     budget = kv_budget_bytes(device, workers)
     extra = draft_window_bytes(lm, config, need) if device == "cpu" else 0
-    if auto:
-        n = fit_concurrency(cap, need, per_token, budget, extra)
-    else:
+    if not auto:
         check_concurrency(cap, need, per_token, budget, extra)
-        n = cap
-    if n == 1:
-        return None, 1
-    return Engine(lm, config, BatchConfig(concurrency=n, kv_tokens=n * need, page_size=page_size)), n
+        return cap
+    return fit_concurrency(cap, need, per_token, budget, extra)
+
+
+def engine_for(lm, config, n: int, need: int, page_size: int):
+    """The Engine of n sequences at once, each with `need` KV slots reserved in pages of page_size (n == 1: the
+    engine of one sequence at a time, its own contiguous cache)."""
+    from specrun.decoding.engine import BatchConfig, Engine
+
+    batch = BatchConfig() if n == 1 else BatchConfig(concurrency=n, kv_tokens=n * need, page_size=page_size)
+    return Engine(lm, config, batch)

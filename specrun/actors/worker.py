@@ -120,8 +120,7 @@ class GenerationWorker:
         if self.engine is None:
             import torch
 
-            from specrun.actors.memory import batch_engine
-            from specrun.decoding.engine import Engine
+            from specrun.actors.memory import concurrency_for, engine_for
             from specrun.decoding.forward.decoder import FusedDecoder
             from specrun.models.loader import load_model
 
@@ -137,13 +136,11 @@ class GenerationWorker:
             self.lm = lm
             FusedDecoder.of(lm.model)  # fused and prepacked weights first: the KV budget measures memory after them
             spec_engine = engine_config(spec.engine)
-            self.engine, self.concurrency = batch_engine(lm, spec_engine, spec.concurrency, spec.kv_need,
-                                                         spec.page_size, spec.device, spec.workers,
-                                                         spec.auto_concurrency)
-            if self.engine is not None:
+            self.concurrency = concurrency_for(lm, spec_engine, spec.concurrency, spec.kv_need, spec.device,
+                                               spec.workers, spec.auto_concurrency)
+            self.engine = engine_for(lm, spec_engine, self.concurrency, spec.kv_need, spec.page_size)
+            if self.concurrency > 1:
                 self.batch = BatchLoop(self.engine, self.compute)
-            else:
-                self.engine = Engine(lm, spec_engine)
             self.hot_source = self._warm_start()
         return self.info()
 
