@@ -1,6 +1,9 @@
 """The compiled draft's packages in the cache: a package's name changes with anything that changes what it computes or
-where it can run; a damaged one is not loaded but removed (then built anew), a sound one that does not load is kept."""
+where it can run; a damaged one is not loaded but removed (then built anew), a sound one that does not load is kept;
+packages long unused go, past the most recently used."""
 
+import os
+import time
 import zipfile
 
 import pytest
@@ -58,3 +61,33 @@ def test_a_sound_package_that_does_not_load_here_raises_and_is_kept(tmp_path):
     with pytest.raises(Exception):  # noqa: B017 (whatever the loader raises)
         ring_package.load(where)
     assert where.exists()
+
+
+def test_packages_long_unused_are_pruned_past_the_most_recent(tmp_path):
+    now = 1_000_000_000.0
+    recent = ring_package.KEEP + 2  # days unused: more recent ones than KEEP (all stay), then three stale ones
+    ages = [*range(recent), 20, 21, 22]
+    files = []
+    for i, days in enumerate(ages):
+        f = tmp_path / f"draft-{i % 2}-{i:04d}.pt2"
+        f.write_bytes(b"x")
+        os.utime(f, (now - days * 86400, now - days * 86400))
+        files.append(f)
+    other = tmp_path / "notes.txt"  # not a package: never touched
+    other.write_bytes(b"x")
+    os.utime(other, (0, 0))
+    removed = ring_package.prune(tmp_path, now=now)
+    assert sorted(removed) == sorted(files[recent:])  # past the KEEP most recently used, only the stale ones go
+    assert all(f.exists() for f in files[:recent]) and other.exists()
+    later = ring_package.prune(tmp_path, now=now + 365 * 86400)  # a year on: all stale, the KEEP newest stay
+    assert sorted(later) == sorted(files[ring_package.KEEP : recent])
+
+
+def test_loading_a_package_marks_it_used(tmp_path, monkeypatch):
+    where = tmp_path / "draft-1-89ab.pt2"
+    with zipfile.ZipFile(where, "w") as z:
+        z.writestr("draft/x", b"x")
+    os.utime(where, (0, 0))
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: "loaded")
+    assert ring_package.load(where) == "loaded"
+    assert time.time() - where.stat().st_mtime < 60  # prune() counts from now

@@ -2,8 +2,9 @@
 machine and model (~1 minute for smollm2), then loaded by any later process in about a second.
 
 path(graph, rows) names the package of a graph for one sequence a call (rows 1) or several (rows 0); load() returns
-its callable or None, build() compiles and writes it atomically. A package is a proposal-maker only (I1): a wrong one
-would cost speed, never output; its name covers the weights, the code that traces it, torch, the CPU and its threads.
+its callable or None, build() compiles and writes it atomically, then prunes packages long unused. A package is a
+proposal-maker only (I1): a wrong one would cost speed, never output; its name covers the weights, the code that traces
+it, torch, the CPU and its threads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from specrun.models.cache import cache_root
 
 MAX_ROWS = 1024  # sequences in one call of the several-rows package (an engine's concurrency; more: split)
 ABANDONED = 3600  # seconds after which a build's temporary file is a killed process's leftover
+KEEP = 8  # packages a cache keeps whatever their age (the latest loaded or built: several models, thread counts)
+STALE = 14 * 86400  # seconds unused after which a package past the KEEP newest goes (a new specrun, weights or torch
+# names new packages; ~90 MB each on smollm2, gigabytes on larger models)
 SAMPLE = 1 << 14  # bytes hashed at each of 64 places of a large weight (all of a small one)
 # the modules whose code the graph runs: a change to any of them names a new package
 SOURCES = ("quant_ring.py", "quant_torch.py", "../forward/decoder.py", "../forward/quant.py", "ring_package.py")
@@ -86,12 +90,32 @@ def load(where: Path):
     if not where.is_file():
         return None
     try:
-        return torch._inductor.aoti_load_package(str(where))
+        fn = torch._inductor.aoti_load_package(str(where))
     except Exception:
         if _sound(where):
             raise
         where.unlink(missing_ok=True)
         return None
+    with contextlib.suppress(OSError):  # its time of last use, which prune() reads
+        os.utime(where)
+    return fn
+
+
+def prune(folder: Path, now: float | None = None) -> list[Path]:
+    """Remove the packages in folder unused (not loaded nor built) for STALE seconds, past the KEEP most recently used;
+    returns those removed. A package another process is loading stays readable to it (POSIX unlink)."""
+    now = time.time() if now is None else now
+    used = []
+    for f in folder.glob("draft-*.pt2"):
+        with contextlib.suppress(OSError):
+            used.append((f.stat().st_mtime, f))
+    removed = []
+    for mtime, f in sorted(used, reverse=True)[KEEP:]:
+        if now - mtime > STALE:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                removed.append(f)
+    return removed
 
 
 def _sound(where: Path) -> bool:
@@ -129,4 +153,5 @@ def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, wher
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    prune(where.parent)
     return fn
