@@ -139,7 +139,7 @@ class LLM:
             n = concurrency_for(self.lm, self.config, min(len(reqs), self.max_concurrency), need, device)
             engine = engine_for(self.lm, self.config, n, need, page_size_for(device, need)) if n > 1 else None
         order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))  # longest first
-        results = (engine or self._solo()).run([(i, reqs[i][0], reqs[i][1], []) for i in order])
+        results = (engine if engine is not None else self._solo()).run([(i, reqs[i][0], reqs[i][1], []) for i in order])
         return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]
 
     def stream(self, prompt, sampling: SamplingParams | None = None) -> Stream:

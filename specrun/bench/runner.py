@@ -15,6 +15,7 @@ from specrun.bench.clock import LengthClock, sync
 from specrun.bench.hf import run_hf
 from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.decoding.config import resolve_drafting
+from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 
@@ -151,6 +152,10 @@ def drop_unrunnable(planned: list, lm, notes: list[str]) -> list:
     return keep
 
 
+EAGER_DRAFT_NOTE = ("the 4-bit self-draft ran uncompiled: no package of it is cached for this model, specrun and CPU, "
+                    "and runs asking under 4,096 tokens do not build one; --compile-draft on builds it once (about a "
+                    "minute) and later runs load it in about a second")
+
 class _Stepped:
     """One specrun run driven a step at a time (Engine.steps), timed by its own steps only."""
 
@@ -161,6 +166,7 @@ class _Stepped:
         draft = engine.quant
         self.draft_compile_s = getattr(draft, "compile_seconds", None)  # loading (or building) its packages
         self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
+        self.draft_eager = isinstance(draft, TorchForward)  # torch's 4-bit draft left uncompiled (compile_draft)
         self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None
@@ -184,7 +190,8 @@ class _Stepped:
         # the engine's own seconds are wall time since its start: in lockstep they include the other runs' steps
         stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0,
                  "draft_compile_seconds": self.draft_compile_s,  # loading or building the draft's packages, untimed
-                 "draft_packages_built": self.draft_built}  # (both summed over the runs sharing its decoder)
+                 "draft_packages_built": self.draft_built,  # (both summed over the runs sharing its decoder)
+                 "draft_eager": self.draft_eager}
         return self.result.token_ids, self.seconds, self.clock.at, stats
 
 

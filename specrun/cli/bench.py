@@ -77,6 +77,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
     from specrun.bench.llama_cpp import NOTE as LLAMA_NOTE
     from specrun.bench.report import add_roofline, annotate_divergences, render, summarize
     from specrun.bench.runner import (
+        EAGER_DRAFT_NOTE,
         BenchSettings,
         bench_params,
         drop_unrunnable,
@@ -160,6 +161,8 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
             "sampling": {k: getattr(params, k) for k in params.__dataclass_fields__},
             "engine": dataclasses.asdict(base)}
     report = summarize(ms, {spec.name: spec.kind for spec, _ in planned}, lens, params.greedy, notes, meta)
+    if base.compile_draft == "auto" and any(r.get("draft_eager") for r in report["runs"]):
+        report["notes"].append(EAGER_DRAFT_NOTE)
     from specrun.bench.neartie import check_divergence
 
     run_params = bench_params(params, n)  # as run_bench ran them

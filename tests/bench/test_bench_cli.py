@@ -53,6 +53,17 @@ def test_bench_sampled_lengths_and_run_filter(tiny_models):
     assert any("not comparable" in n for n in report["notes"])  # windowed penalty vs HF's whole-context one
 
 
+
+def test_bench_says_when_torchs_4bit_draft_ran_uncompiled(tiny_models):
+    """A float32 model drafts on torch's int4 kernels; a short run under auto builds no package: the note says how."""
+    flags = ("--dtype", "float32", "--runs", "specrun_ar,specrun_spec", "--draft", "quant")
+    report = _bench(tiny_models["llama_gqa"], *flags)
+    runs = {r["name"]: r for r in report["runs"]}
+    assert runs["specrun_spec"]["draft_eager"] and not runs["specrun_ar"]["draft_eager"]
+    assert any("--compile-draft on builds it" in n for n in report["notes"])
+    quiet = _bench(tiny_models["llama_gqa"], *flags, "--compile-draft", "off")  # asked for: nothing to say
+    assert not any("--compile-draft on builds it" in n for n in quiet["notes"])
+
 def test_bench_rejects_bad_flags(tiny_models):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_mha"], "--prompt", "x", "--runs", "nope"])
     assert res.exit_code != 0 and "nope" in res.output
