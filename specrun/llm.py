@@ -1,4 +1,4 @@
-"""specrun.LLM: a model loaded once in this process; generate(prompts) -> [Output] (several prompts: an engine of several),
+"""specrun.LLM: a model loaded once in this process; generate(prompts) -> [Output] (several: as many at once as fit),
 stream(prompt) -> Deltas as tokens are accepted. Tokens equal `specrun generate`'s (a dict prompt: a job's line's).
 """
 
@@ -127,8 +127,8 @@ class LLM:
         """One Output per prompt, in order. A prompt is text, a list of {role, content} messages (chat template), a
         list of token ids, or a dict as a prompts.jsonl line (id, overrides; its seed derived from the id as a job
         derives it); one prompt alone may be given bare. sampling: one SamplingParams for all or one per prompt
-        (default: greedy, 256 tokens). Several prompts run at once, one engine step for all. PromptError when a prompt
-        is bad (nothing is generated then)."""
+        (default: greedy, 256 tokens). Several prompts run as many at once as the KV memory holds (one engine step for
+        all), longest first; the rest in turn. PromptError when a prompt is bad (nothing is generated then)."""
         from specrun.actors.memory import concurrency_for, engine_for, kv_need, page_size_for
 
         reqs = self._requests(prompts, sampling)

@@ -156,6 +156,7 @@ EAGER_DRAFT_NOTE = ("the 4-bit self-draft ran uncompiled: no package of it is ca
                     "and runs asking under 4,096 tokens do not build one; --compile-draft on builds it once (about a "
                     "minute) and later runs load it in about a second")
 
+
 class _Stepped:
     """One specrun run driven a step at a time (Engine.steps), timed by its own steps only."""
 
@@ -166,7 +167,8 @@ class _Stepped:
         draft = engine.quant
         self.draft_compile_s = getattr(draft, "compile_seconds", None)  # loading (or building) its packages
         self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
-        self.draft_eager = isinstance(draft, TorchForward)  # torch's 4-bit draft left uncompiled (compile_draft)
+        # torch's 4-bit draft left uncompiled by compile_draft (not one whose compile failed: that warned already)
+        self.draft_eager = isinstance(draft, TorchForward) and not getattr(draft, "_specrun_compile_failed", False)
         self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None

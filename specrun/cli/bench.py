@@ -161,7 +161,8 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
             "sampling": {k: getattr(params, k) for k in params.__dataclass_fields__},
             "engine": dataclasses.asdict(base)}
     report = summarize(ms, {spec.name: spec.kind for spec, _ in planned}, lens, params.greedy, notes, meta)
-    if base.compile_draft == "auto" and any(r.get("draft_eager") for r in report["runs"]):
+    auto = {spec.name for spec, config in planned if spec.kind == "specrun" and config.compile_draft == "auto"}
+    if any(r.get("draft_eager") and r["name"] in auto for r in report["runs"]):  # not eager_draft_spec's own choice
         report["notes"].append(EAGER_DRAFT_NOTE)
     from specrun.bench.neartie import check_divergence
 

@@ -45,10 +45,9 @@ class BatchConfig:
     backend: str = "auto"  # paged_attention.PAGED_BACKENDS, or auto (resolve_backend: by dtype and device)
 
     def __post_init__(self):
-        for name, value in (("concurrency", self.concurrency), ("kv_tokens", self.kv_tokens),
-                            ("page_size", self.page_size)):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+        for name in ("concurrency", "kv_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         check_paged_backend(self.backend)
 
 
@@ -90,8 +89,7 @@ class Engine:
         self.quant = quantized(self.runner.decoder) if "quant" in names else None  # the 4-bit forward all draft through
         if self.quant is not None and config.compile_layers:
             self.quant = compiled_draft(self.quant, batched=not solo)
-        # per number of active sequences (step cost depends on total rows) and greedy or not (the same widths pay
-        # differently: greedy text loops and the n-gram copy drafts its steps); kept across generations
+        # per (active sequences, greedy), kept across generations: cost follows rows; greedy text pays other widths
         self._tuners: dict[tuple[int, bool], WidthTuner] = {}
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
@@ -114,9 +112,8 @@ class Engine:
         drafters = build_drafters(self.names, self.config, self.heads, self.runner.lm_head, self.recycling,
                                   self.recurrent, lambda p: SelfDrafter(self.heads, self.config.tree, p),
                                   lambda: QuantDrafter(self.quant, kv))
-        known = st.known
         for d in drafters:
-            d.start(known)
+            d.start(st.known)
         a = _Active(key, st, kv, drafters, GenStats(tuple(self.names)),
                     next((d for d in drafters if isinstance(d, SelfDrafter)), None),
                     next((d for d in drafters if isinstance(d, QuantDrafter)), None),
@@ -206,8 +203,7 @@ class Engine:
     def _retire(self, a: _Active) -> tuple[object, GenerationResult]:
         if a.heads is not None:
             a.stats.kv_rebuilds = a.heads.kv.rebuilds
-        a.kv.release()
-        self.active.remove(a)
+        self.drop(a.key)
         return a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())
 
     def stats_of(self, key) -> GenStats:
@@ -232,9 +228,7 @@ class Engine:
         the CPU's layout), its drafter, its context; None if it does not."""
         view = KVView.of(a.kv) if a.quant is not None else None
         ctx = a.st.draft_context(budget, True) if view is not None else None
-        if ctx is None or not a.quant.wants(ctx):
-            return None
-        return view, a.quant, ctx
+        return None if ctx is None or not a.quant.wants(ctx) else (view, a.quant, ctx)
 
     def _verify(self, live: list[_Active]) -> tuple[torch.Tensor, torch.Tensor]:
         """One packed forward: each trie's root at its sequence's position n-1. -> hidden [N, H], logits [N, V]"""
@@ -246,16 +240,21 @@ class Engine:
     # -- whole generations ----------------------------------------------------------------------------------------------
     def run(self, requests: Iterable[tuple[object, list[int], SamplingParams, list[int]]],
             on_step: Callable[[object, list[int]], bool] | None = None) -> dict[object, GenerationResult]:
-        """Keep up to `concurrency` sequences in flight, in the order given (callers put the longest first)."""
+        """Keep up to `concurrency` sequences in flight, in the order given (callers put the longest first); a call
+        that raises (a step, on_step, an interrupt) drops the sequences it admitted: the engine is free again."""
         pending, self.drafters = list(requests), None  # steps()'s last sequence's drafters go
-        results: dict[object, GenerationResult] = {}
-        while pending or self.active:
-            while pending and self.admit(*pending[0]):
-                pending.pop(0)
-            if pending and not self.active:
-                key, prompt, params, _ = pending[0]
-                raise self._too_big(f"request {key!r}", prompt, params)
-            results.update(self.step(on_step))
+        keys, results = [r[0] for r in pending], {}
+        try:
+            while pending or self.active:
+                while pending and self.admit(*pending[0]):
+                    pending.pop(0)
+                if pending and not self.active:
+                    raise self._too_big(f"request {pending[0][0]!r}", *pending[0][1:3])
+                results.update(self.step(on_step))
+        except BaseException:
+            for key in keys:
+                self.drop(key)
+            raise
         return results
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, resume_from: list[int] = (),

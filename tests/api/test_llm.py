@@ -45,7 +45,6 @@ def test_generate_equals_cli_generate_json(tiny_models, llm, params):
     assert llm.generate(llm.encode(PROMPTS[1]), params)[0].token_ids == outs[1].token_ids
 
 
-
 def test_prompts_the_kv_memory_holds_one_at_a_time_run_in_turn_on_the_one_prompt_engine(llm, params, monkeypatch):
     batched = llm.generate(PROMPTS, params)
     monkeypatch.setattr("specrun.actors.memory.kv_budget_bytes", lambda device, workers: 1)  # room for one at a time
@@ -54,12 +53,14 @@ def test_prompts_the_kv_memory_holds_one_at_a_time_run_in_turn_on_the_one_prompt
         raise AssertionError("an engine of several sequences was built for prompts that fit one at a time")
 
     monkeypatch.setattr("specrun.actors.memory.engine_for", no_batch)
+    engine = llm._solo()  # the engine of one prompt at a time, kept: its recycling matrix learns across calls
+    asked = engine.asked
     in_turn = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in in_turn] == [o.token_ids for o in batched]
-    engine = llm._engine  # the engine of one prompt at a time, kept: its recycling matrix learns across calls
-    assert engine is not None and engine.solo
+    assert engine.solo and engine.asked == asked + len(PROMPTS) * params.max_tokens  # they ran on it, in turn
     llm.generate(PROMPTS[::-1], params)
-    assert llm._engine is engine
+    assert llm._engine is engine and engine.asked == asked + 2 * len(PROMPTS) * params.max_tokens
+
 
 def test_stream_yields_exactly_the_final_tokens_and_text(llm, params):
     full = llm.generate(PROMPTS[1], params)[0]

@@ -53,7 +53,6 @@ def test_bench_sampled_lengths_and_run_filter(tiny_models):
     assert any("not comparable" in n for n in report["notes"])  # windowed penalty vs HF's whole-context one
 
 
-
 def test_bench_says_when_torchs_4bit_draft_ran_uncompiled(tiny_models):
     """A float32 model drafts on torch's int4 kernels; a short run under auto builds no package: the note says how."""
     flags = ("--dtype", "float32", "--runs", "specrun_ar,specrun_spec", "--draft", "quant")
@@ -63,6 +62,10 @@ def test_bench_says_when_torchs_4bit_draft_ran_uncompiled(tiny_models):
     assert any("--compile-draft on builds it" in n for n in report["notes"])
     quiet = _bench(tiny_models["llama_gqa"], *flags, "--compile-draft", "off")  # asked for: nothing to say
     assert not any("--compile-draft on builds it" in n for n in quiet["notes"])
+    chosen = _bench(tiny_models["llama_gqa"], *flags[:2], "--runs", "eager_draft_spec", "--draft", "quant")
+    assert chosen["runs"][0]["draft_eager"]  # eager_draft_spec's own choice: nothing to say either
+    assert not any("--compile-draft on builds it" in n for n in chosen["notes"])
+
 
 def test_bench_rejects_bad_flags(tiny_models):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_mha"], "--prompt", "x", "--runs", "nope"])

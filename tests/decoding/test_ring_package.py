@@ -5,6 +5,8 @@ packages long unused go, past the most recently used."""
 import os
 import time
 import zipfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -91,3 +93,20 @@ def test_loading_a_package_marks_it_used(tmp_path, monkeypatch):
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: "loaded")
     assert ring_package.load(where) == "loaded"
     assert time.time() - where.stat().st_mtime < 60  # prune() counts from now
+
+
+def test_a_build_prunes_the_cache(tmp_path, monkeypatch):
+    """After writing its package a build prunes the folder (export and inductor stubbed: the rule is prune's)."""
+    fresh = [tmp_path / f"draft-n-{i:04d}.pt2" for i in range(ring_package.KEEP)]
+    for f in fresh:
+        f.write_bytes(b"x")
+    stale = tmp_path / "draft-1-0old.pt2"
+    stale.write_bytes(b"x")
+    os.utime(stale, (0, 0))
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: "program")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
+                        lambda program, package_path, inductor_configs: Path(package_path).write_bytes(b"package"))
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: "loaded")
+    where = tmp_path / "draft-1-0new.pt2"
+    assert ring_package.build(SimpleNamespace(options={}), (), 1, 4, where) == "loaded"
+    assert where.read_bytes() == b"package" and all(f.exists() for f in fresh) and not stale.exists()

@@ -233,8 +233,8 @@ def test_an_engine_of_one_sequence_runs_requests_in_turn_and_steps_needs_it_idle
 
 
 def test_a_failed_or_abandoned_generation_leaves_the_engine_free(load_fixture):
-    """A step that raises, an on_step that raises, a steps() generator dropped half way: the sequence goes, and the
-    next generation on the engine runs as on a fresh one."""
+    """A step that raises, an on_step that raises, a steps() generator dropped half way, a run() that raises: its
+    sequences go, and the next generation on the engine runs as on a fresh one."""
     lm = load_fixture("llama_mha", dtype="float32")
     prompt = lm.tokenizer.encode(REPETITIVE)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -259,6 +259,19 @@ def test_a_failed_or_abandoned_generation_leaves_the_engine_free(load_fixture):
     next(steps)
     steps.close()
     assert not engine.active and engine.generate(prompt, params).token_ids == ref
+    # run() (LLM.generate's path) likewise: a failed step or an interrupt in on_step drops what it admitted
+    engine.runner.forward = fails
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.run([(0, prompt, params, []), (1, prompt, params, [])])
+    assert not engine.active
+
+    def interrupt(key, emitted):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.run([(0, prompt, params, [])], on_step=interrupt)
+    assert not engine.active and engine.generate(prompt, params).token_ids == ref
+    assert engine.run([(0, prompt, params, []), (1, prompt, params, [])])[1].token_ids == ref
 
 
 def test_pool_too_small_for_a_request_is_a_clear_error(load_fixture):

@@ -103,7 +103,8 @@ def load(where: Path):
 
 def prune(folder: Path, now: float | None = None) -> list[Path]:
     """Remove the packages in folder unused (not loaded nor built) for STALE seconds, past the KEEP most recently used;
-    returns those removed. A package another process is loading stays readable to it (POSIX unlink)."""
+    returns those removed. One another process has open stays readable to it (POSIX unlink); one removed before it
+    opened it is built again. Marking use needs write access: the cache is its user's own (SPECRUN_CACHE)."""
     now = time.time() if now is None else now
     used = []
     for f in folder.glob("draft-*.pt2"):
