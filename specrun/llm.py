@@ -116,6 +116,7 @@ class LLM:
         self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat == "auto" else bool(chat)
         self.max_concurrency = max_concurrency
         self._engine = None  # the engine of one prompt at a time, built once: its recycling matrix learns across prompts
+        self._batch = None  # (engine, n, need): the engine of n prompts at once, kept for later calls it holds
         if self.lm.is_demo:
             warnings.warn(DEMO_NOTICE, stacklevel=2)
 
@@ -128,7 +129,8 @@ class LLM:
         list of token ids, or a dict as a prompts.jsonl line (id, overrides; its seed derived from the id as a job
         derives it); one prompt alone may be given bare. sampling: one SamplingParams for all or one per prompt
         (default: greedy, 256 tokens). Several prompts run as many at once as the KV memory holds (one engine step for
-        all), longest first; the rest in turn. PromptError when a prompt is bad (nothing is generated then)."""
+        all), longest first; the rest in turn. That engine and its KV pool are kept for later calls they hold (its
+        recycling matrix learns across calls). PromptError when a prompt is bad (nothing is generated then)."""
         from specrun.actors.memory import concurrency_for, engine_for, kv_need, page_size_for
 
         reqs = self._requests(prompts, sampling)
@@ -136,8 +138,13 @@ class LLM:
         if len(reqs) > 1 and self.config.attention == "sdpa" and self.max_concurrency > 1:
             need = kv_need(max(len(ids) + p.max_tokens for ids, p, _ in reqs), self.config.trie_budget)
             device = self.lm.device.type
-            n = concurrency_for(self.lm, self.config, min(len(reqs), self.max_concurrency), need, device)
-            engine = engine_for(self.lm, self.config, n, need, page_size_for(device, need)) if n > 1 else None
+            wanted = min(len(reqs), self.max_concurrency)
+            if self._batch is None or self._batch[1] < wanted or self._batch[2] < need:
+                self._batch = None  # the kept engine's KV pool goes before the memory is measured for a new one
+                n = concurrency_for(self.lm, self.config, wanted, need, device)
+                if n > 1:
+                    self._batch = (engine_for(self.lm, self.config, n, need, page_size_for(device, need)), n, need)
+            engine = None if self._batch is None else self._batch[0]
         order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))  # longest first
         results = (engine if engine is not None else self._solo()).run([(i, reqs[i][0], reqs[i][1], []) for i in order])
         return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]

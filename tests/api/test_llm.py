@@ -4,6 +4,7 @@ stream yields exactly the final token ids and text (stop strings included); erro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -45,21 +46,35 @@ def test_generate_equals_cli_generate_json(tiny_models, llm, params):
     assert llm.generate(llm.encode(PROMPTS[1]), params)[0].token_ids == outs[1].token_ids
 
 
-def test_prompts_the_kv_memory_holds_one_at_a_time_run_in_turn_on_the_one_prompt_engine(llm, params, monkeypatch):
+def test_the_engine_of_several_prompts_is_kept_for_later_calls_it_holds(llm, params):
+    first = llm.generate(PROMPTS, params)
+    engine = llm._batch[0]
+    asked = engine.asked
+    again = llm.generate(PROMPTS[:2], params)  # fewer prompts, the same KV each: the kept engine runs them
+    assert llm._batch[0] is engine and engine.asked == asked + 2 * params.max_tokens
+    assert [o.token_ids for o in again] == [o.token_ids for o in first[:2]]
+    longer = dataclasses.replace(params, max_tokens=2 * params.max_tokens)
+    more = llm.generate(PROMPTS, longer)  # more KV a sequence than its pages hold: a new engine
+    assert llm._batch[0] is not engine
+    assert [o.token_ids[: params.max_tokens] for o in more] == [o.token_ids for o in first]
+
+
+def test_prompts_the_kv_memory_holds_one_at_a_time_run_in_turn_on_the_one_prompt_engine(tiny_models, llm, params,
+                                                                                        monkeypatch):
     batched = llm.generate(PROMPTS, params)
+    fresh = specrun.LLM(tiny_models["llama_gqa"], drafting="ngram,recycling", chat=False)  # no engine kept yet
     monkeypatch.setattr("specrun.actors.memory.kv_budget_bytes", lambda device, workers: 1)  # room for one at a time
 
     def no_batch(*a, **k):
         raise AssertionError("an engine of several sequences was built for prompts that fit one at a time")
 
     monkeypatch.setattr("specrun.actors.memory.engine_for", no_batch)
-    engine = llm._solo()  # the engine of one prompt at a time, kept: its recycling matrix learns across calls
-    asked = engine.asked
-    in_turn = llm.generate(PROMPTS, params)
+    engine = fresh._solo()  # the engine of one prompt at a time, kept: its recycling matrix learns across calls
+    in_turn = fresh.generate(PROMPTS, params)
     assert [o.token_ids for o in in_turn] == [o.token_ids for o in batched]
-    assert engine.solo and engine.asked == asked + len(PROMPTS) * params.max_tokens  # they ran on it, in turn
-    llm.generate(PROMPTS[::-1], params)
-    assert llm._engine is engine and engine.asked == asked + 2 * len(PROMPTS) * params.max_tokens
+    assert engine.solo and engine.asked == len(PROMPTS) * params.max_tokens  # they ran on it, in turn
+    fresh.generate(PROMPTS[::-1], params)
+    assert fresh._engine is engine and engine.asked == 2 * len(PROMPTS) * params.max_tokens
 
 
 def test_stream_yields_exactly_the_final_tokens_and_text(llm, params):
