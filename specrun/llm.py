@@ -115,8 +115,8 @@ class LLM:
         # an instruct model answers a request sent as a user message; raw text it may just end (smollm2: EOS at once)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat == "auto" else bool(chat)
         self.max_concurrency = max_concurrency
-        self._engine = None  # the engine of one prompt at a time, built once: its recycling matrix learns across prompts
-        self._batch = None  # (engine, n, need): the engine of n prompts at once, kept for later calls it holds
+        self._engine = None  # the engine of one prompt at a time, built once: its matrix learns across prompts
+        self._batch = None  # the engine of several prompts at once, kept for later calls its slots and pages hold
         if self.lm.is_demo:
             warnings.warn(DEMO_NOTICE, stacklevel=2)
 
@@ -138,13 +138,13 @@ class LLM:
         if len(reqs) > 1 and self.config.attention == "sdpa" and self.max_concurrency > 1:
             need = kv_need(max(len(ids) + p.max_tokens for ids, p, _ in reqs), self.config.trie_budget)
             device = self.lm.device.type
-            wanted = min(len(reqs), self.max_concurrency)
-            if self._batch is None or self._batch[1] < wanted or self._batch[2] < need:
+            wanted, kept = min(len(reqs), self.max_concurrency), self._batch and self._batch.batch
+            if kept is None or kept.concurrency < wanted or kept.kv_tokens // kept.concurrency < need:
                 self._batch = None  # the kept engine's KV pool goes before the memory is measured for a new one
                 n = concurrency_for(self.lm, self.config, wanted, need, device)
                 if n > 1:
-                    self._batch = (engine_for(self.lm, self.config, n, need, page_size_for(device, need)), n, need)
-            engine = None if self._batch is None else self._batch[0]
+                    self._batch = engine_for(self.lm, self.config, n, need, page_size_for(device, need))
+            engine = self._batch
         order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))  # longest first
         results = (engine if engine is not None else self._solo()).run([(i, reqs[i][0], reqs[i][1], []) for i in order])
         return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]

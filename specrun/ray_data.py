@@ -69,7 +69,7 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
               batch_size: int = 16, num_gpus: float | None = None, num_cpus: float | None = None) -> Processor:
     """A Processor for Dataset.map_batches: `concurrency` actors (one model and engine each; num_gpus each, default 1
     with device cuda; num_cpus each, default with device cpu this machine's cores split between them, else 1: Ray
-    runs an actor's torch on that many threads), `batch_size` rows generated at once per actor (one engine step for all).
+    runs an actor's torch on that many threads), `batch_size` rows generated at once per actor (one step for all).
     Columns as for a Parquet job (prompt, messages or input_ids; id when present)."""
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

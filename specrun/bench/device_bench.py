@@ -160,8 +160,8 @@ def _prompts(lm: LoadedModel, n: int, length: int) -> list[list[int]]:
 
 
 def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict]:
-    """The engine of one sequence end to end (greedy, EOS ignored; the prompt's prefill inside the timed run): AR and n-gram +
-    recycling drafts, each with eager forwards and with the static step's (CUDA graphs on CUDA)."""
+    """The engine of one sequence end to end (greedy, EOS ignored; the prompt's prefill inside the timed run): AR and
+    n-gram + recycling drafts, each with eager forwards and with the static step's (CUDA graphs on CUDA)."""
     prompt = _prompts(lm, 1, prompt_len)[0]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     runs = {"ar_eager": EngineConfig(drafters=(), step_graphs="off"),
@@ -186,8 +186,9 @@ def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict
 
 def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens: int,
                 backends: list[str]) -> list[dict]:
-    """Aggregate tok/s of the engine with several sequences, AR and n-gram speculation, at each concurrency and attention backend;
-    per level, how many sequences' speculative tokens equal their AR tokens (reduced precision: near ties may part)."""
+    """Aggregate tok/s of the engine with several sequences, AR and n-gram speculation, at each concurrency and
+    attention backend; per level, how many sequences' speculative tokens equal their AR tokens (reduced precision: near
+    ties may part)."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     page = 16 if lm.device.type == "cuda" else prompt_len + new_tokens + 65
     out = []

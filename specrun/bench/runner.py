@@ -15,7 +15,7 @@ from specrun.bench.clock import LengthClock, sync
 from specrun.bench.hf import run_hf
 from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.decoding.config import resolve_drafting
-from specrun.decoding.drafters.quant_torch import TorchForward
+from specrun.decoding.drafters.quant_draft import compilable
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 
@@ -167,8 +167,7 @@ class _Stepped:
         draft = engine.quant
         self.draft_compile_s = getattr(draft, "compile_seconds", None)  # loading (or building) its packages
         self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
-        # torch's 4-bit draft left uncompiled by compile_draft (not one whose compile failed: that warned already)
-        self.draft_eager = isinstance(draft, TorchForward) and not getattr(draft, "_specrun_compile_failed", False)
+        self.draft_eager = compilable(draft)  # torch's 4-bit draft left uncompiled (a failed compile warned already)
         self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None

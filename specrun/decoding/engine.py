@@ -112,8 +112,9 @@ class Engine:
         drafters = build_drafters(self.names, self.config, self.heads, self.runner.lm_head, self.recycling,
                                   self.recurrent, lambda p: SelfDrafter(self.heads, self.config.tree, p),
                                   lambda: QuantDrafter(self.quant, kv))
+        known = st.known
         for d in drafters:
-            d.start(st.known)
+            d.start(known)
         a = _Active(key, st, kv, drafters, GenStats(tuple(self.names)),
                     next((d for d in drafters if isinstance(d, SelfDrafter)), None),
                     next((d for d in drafters if isinstance(d, QuantDrafter)), None),
@@ -210,7 +211,7 @@ class Engine:
         return next(a.stats for a in self.active if a.key == key)  # a checkpointer reads them from its on_step
 
     def drop(self, key) -> None:
-        """Forget an active sequence without a result (its step failed); its K/V go back to the pool."""
+        """Forget an active sequence (retired, or its step failed); its K/V go back to the pool."""
         for a in [a for a in self.active if a.key == key]:
             a.kv.release()
             self.active.remove(a)
@@ -224,8 +225,7 @@ class Engine:
         return self._tuners[n, greedy]
 
     def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, QuantDrafter, object] | None:
-        """What the 4-bit forward needs of a sequence that drafts with it this step: its K/V (one store a sequence:
-        the CPU's layout), its drafter, its context; None if it does not."""
+        """What the 4-bit forward needs of a sequence drafting with it this step (one-store K/V, drafter, context)."""
         view = KVView.of(a.kv) if a.quant is not None else None
         ctx = a.st.draft_context(budget, True) if view is not None else None
         return None if ctx is None or not a.quant.wants(ctx) else (view, a.quant, ctx)

@@ -32,7 +32,7 @@ def _batching(settings: dict, prompts: list, workers: int, to_run: int) -> dict:
     n, engine = settings.get("concurrency", 1), settings["engine"]
     auto = n == "auto"
     if auto:
-        if engine.get("attention", "sdpa") != "sdpa":  # an attention backend of one sequence's cache keeps one sequence a worker
+        if engine.get("attention", "sdpa") != "sdpa":  # a backend of one sequence's cache: one sequence a worker
             return {}
         n = min(AUTO_MAX["cuda" if settings["device"].startswith("cuda") else "cpu"], -(-to_run // max(1, workers)))
     if n == 1:

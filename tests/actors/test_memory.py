@@ -72,7 +72,8 @@ def test_auto_seats_at_most_the_prompts_per_worker_and_the_device_cap():
     assert _batching(_settings("auto"), prompts, workers=1, to_run=100)["concurrency"] == AUTO_MAX["cpu"]
     cuda = _batching(_settings("auto", device="cuda"), prompts, workers=1, to_run=100)
     assert cuda["concurrency"] == AUTO_MAX["cuda"] and cuda["page_size"] == 16
-    assert _batching(_settings("auto"), prompts, workers=2, to_run=2) == {}  # one prompt per worker: one sequence an engine
+    # one prompt per worker: one sequence an engine
+    assert _batching(_settings("auto"), prompts, workers=2, to_run=2) == {}
     assert _batching(_settings(3), prompts, workers=4, to_run=1)["concurrency"] == 3  # an explicit N is kept
 
 

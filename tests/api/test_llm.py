@@ -1,5 +1,6 @@
-"""specrun.LLM: generate (several prompts: one engine step for all) equals `specrun generate --json` prompt by prompt; the
-stream yields exactly the final token ids and text (stop strings included); errors are SpecrunErrors; import is cheap.
+"""specrun.LLM: generate (several prompts: one engine step for all) equals `specrun generate --json` prompt by
+prompt; the stream yields exactly the final token ids and text (stop strings included); errors are SpecrunErrors;
+import is cheap.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def test_generate_equals_cli_generate_json(tiny_models, llm, params):
 
 def test_the_engine_of_several_prompts_is_kept_for_later_calls_it_holds(llm, params):
     first = llm.generate(PROMPTS, params)
-    engine = llm._batch[0]
+    engine = llm._batch
     asked = engine.asked
     again = llm.generate(PROMPTS[:2], params)  # fewer prompts, the same KV each: the kept engine runs them
-    assert llm._batch[0] is engine and engine.asked == asked + 2 * params.max_tokens
+    assert llm._batch is engine and engine.asked == asked + 2 * params.max_tokens
     assert [o.token_ids for o in again] == [o.token_ids for o in first[:2]]
     longer = dataclasses.replace(params, max_tokens=2 * params.max_tokens)
     more = llm.generate(PROMPTS, longer)  # more KV a sequence than its pages hold: a new engine
-    assert llm._batch[0] is not engine
+    assert llm._batch is not engine
     assert [o.token_ids[: params.max_tokens] for o in more] == [o.token_ids for o in first]
 
 

@@ -1,6 +1,6 @@
 """The CUDA path against its CPU twins: the static (CUDA-graph) step against eager AR, the sampler on CUDA against the
-CPU, the engine of several on flashinfer against one-sequence AR. Tests marked gpu skip without CUDA; the static step's twin runs
-here."""
+CPU, the engine of several on flashinfer against one-sequence AR. Tests marked gpu skip without CUDA; the static step's
+twin runs here."""
 
 import pytest
 import torch

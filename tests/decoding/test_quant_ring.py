@@ -298,9 +298,9 @@ def _spy_compiles(monkeypatch) -> list[bool]:
 
 def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(model_dir,  # noqa: F811
                                                                                      monkeypatch, fresh_cache):
-    """An engine of several sequences: compile_draft auto, its several-sequences package not cached: its eager draft until the
-    sequences it admitted ask for COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every sequence;
-    outputs their solo AR runs'."""
+    """An engine of several sequences: compile_draft auto, its several-sequences package not cached: its eager draft
+    until the sequences it admitted ask for COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every
+    sequence; outputs their solo AR runs'."""
     from specrun.decoding import config as engine_config
     from specrun.decoding.engine import BatchConfig, Engine
 

@@ -111,7 +111,8 @@ def test_update_last_write_wins() -> None:
 
 
 def test_one_learn_over_a_batch_equals_learning_each_sequence_in_turn() -> None:
-    """An engine of several sequences teaches the worker's matrix once per step with every sequence's nodes, in their order."""
+    """An engine of several sequences teaches the worker's matrix once per step with every sequence's nodes, in their
+    order."""
     g = torch.Generator().manual_seed(0)
     parts = [(torch.tensor(t), torch.randn(len(t), 50, generator=g)) for t in ([3, 7, 3], [7, 9], [1, 3])]
     each, once = RecyclingMatrix(50, k=8), RecyclingMatrix(50, k=8)

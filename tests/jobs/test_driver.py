@@ -426,8 +426,8 @@ def test_done_marker_without_its_output_shows_repair_and_resume_regenerates_it(t
 
 
 def test_concurrency_4_on_2_actors_equals_solo_also_after_sigkill_and_resume(tmp_path, model):
-    """8 prompts, 4 in flight per worker (one engine step for all four): each output equals the prompt generated alone, also
-    when the driver is SIGKILLed mid-job and the job resumed (resumed sequences join batches mid-run)."""
+    """8 prompts, 4 in flight per worker (one engine step for all four): each output equals the prompt generated alone,
+    also when the driver is SIGKILLed mid-job and the job resumed (resumed sequences join batches mid-run)."""
     lines = [{"id": f"p{i}", "prompt": f"prompt number {i} " * (1 + i % 3), "max_tokens": 40 + 20 * (i % 4),
               **({"temperature": 0.0} if i % 2 else {"seed": i})} for i in range(8)]
     job = _job(tmp_path, model, lines, every=8, max_tokens=60, temperature=0.9, seed=7, ignore_eos=True)

@@ -108,12 +108,17 @@ def quantized(decoder) -> KernelForward | TorchForward | None:
     return decoder._specrun_q4
 
 
+def compilable(forward) -> bool:
+    """Whether forward is torch's eager 4-bit draft whose compile has not failed: what compiled_draft compiles."""
+    return isinstance(forward, TorchForward) and not getattr(forward, "_specrun_compile_failed", False)
+
+
 def compiled_draft(forward, batched: bool = False):
     """forward as one compiled graph a token (quant_ring.py: loaded from the cache, else compiled now; for several
     sequences a call too with `batched`) where it is torch's eager draft; any other forward as it is. Where the compile
     fails (no C++ compiler, an inductor error) a warning, and the eager draft from then on: drafting changes the speed
     only."""
-    if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
+    if not compilable(forward):
         return forward
     try:
         return ring_forward(forward, batched)
@@ -127,7 +132,7 @@ def compiled_draft(forward, batched: bool = False):
 def draft_cached(forward, batched: bool = False) -> bool:
     """Whether compiled_draft(forward, batched) would only load: a torch draft whose compiled graphs are loaded or
     cached (compile_draft auto takes them for any length); any other forward (a compiled one already) False."""
-    if not isinstance(forward, TorchForward) or getattr(forward, "_specrun_compile_failed", False):
+    if not compilable(forward):
         return False
     try:
         return ring_of(forward).cached(batched)
