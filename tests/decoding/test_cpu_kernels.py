@@ -172,10 +172,7 @@ def test_wide_attention_matches_the_reference_and_rows_are_independent(T, dtype,
     """A tree mask over T new tokens (rows in blocks of 16 lanes per KV head: 18 and 69 rows): the float64 reference,
     and each row's output unchanged when every other row's query changes."""
     g = torch.Generator().manual_seed(T)
-    parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, T)]
-    mask = torch.eye(T, dtype=torch.bool)
-    for j in range(1, T):
-        mask[j] |= mask[parents[j]]  # a row sees its ancestors
+    mask = _tree(T, g)
     k, v = _cache(3, 50 + T, 64, seed=T, dtype=dtype)
     q = torch.randn(T, 9, 64, generator=g).to(dtype)
     out = kernels.attend(q, k, v, 50, mask, 0.125)
@@ -206,6 +203,42 @@ def test_attention_row_is_the_same_alone_or_beside_another(dtype, start):
     finally:
         torch.set_num_threads(threads)
 
+
+
+def _tree(T: int, g: torch.Generator) -> torch.Tensor:
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, T)]
+    mask = torch.eye(T, dtype=torch.bool)
+    for j in range(1, T):
+        mask[j] |= mask[parents[j]]  # a row sees its ancestors
+    return mask
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("start,T", [(2047, 1), (5000, 1), (2100, 4), (3000, 13)])
+def test_many_keys_shared_between_threads_give_each_row_the_numbers_of_one_thread(dtype, Hq, Hkv, D, start, T):
+    """From 1,024 keys, blocks that do not divide among the threads are shared (chunks of keys, then passes of rows
+    and slices of columns): on 2, 3 and 4 threads every output bit for bit what one thread gives, and a tree's rows
+    what each gets alone as an AR step once its ancestors are committed."""
+    g = torch.Generator().manual_seed(start + T)
+    k, v = _cache(Hkv, start + T + 4, D, seed=start, dtype=dtype)
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    mask = _tree(T, g) if T > 1 else None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.attend(q, k, v, start, mask, D**-0.5)
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            assert torch.equal(kernels.attend(q, k, v, start, mask, D**-0.5), alone), n
+        if T > 1:  # the chain 0 -> 1 -> ... of the tree's first rows that form one, committed in place
+            chain = [0] + [j for j in range(1, T) if mask[j, j - 1] and mask[j].sum() == j + 1]
+            chain = chain[: next((i for i, j in enumerate(chain) if j != i), len(chain))]
+            for d in chain:
+                assert torch.equal(kernels.attend(q[d : d + 1], k, v, start + d, None, D**-0.5), alone[d : d + 1])
+    finally:
+        torch.set_num_threads(threads)
 
 def _rows(kind: str, T: int, V: int, g: torch.Generator) -> torch.Tensor:
     x = torch.randn(T, V, generator=g)

@@ -162,41 +162,47 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* out rows r0 .. r0+used of one KV head: each row's sum over keys (in order) of its probability (row l's at key s:
- * sc[s * ss + l * ls]) times the value, times inv; 4 rows a pass so a value row is loaded once for 4 rows. One body
- * per storage type (bf16 values and outputs converted to float32 and rounded back once; float32 as is). */
+/* out rows r0 .. r0+used of one KV head, columns [d0, d0 + nd): each row's sum over keys (in order) of its probability
+ * (row l's at key s: sc[s * ss + l * ls]) times the value, times inv; 4 rows a pass so a value row is loaded once for
+ * 4 rows. tot NULL: inv holds 1 / each row's total; else each row's total is summed here, in key order as softmax_lanes
+ * and softmax_key_rows sum it (the same numbers), stored to tot and used. One body per storage type (bf16 values and
+ * outputs converted to float32 and rounded back once; float32 as is). */
 #define WEIGHTED_VALUES(NAME, TYPE, LOAD, STORE)                                                                    \
     static inline __attribute__((always_inline)) void NAME##_pass(const float *sc, const TYPE *vh, TYPE *out,      \
         const float *inv, long r0, long G, long Hq, long kvh, long S, const long D, long ss, long ls, long l0,      \
-        const long n) {                                                                                            \
-        __m512 o[4][16]; /* [row][D / 16] */                                                                       \
+        const long n, const long d0, const long nd, float *tot) {                                                  \
+        __m512 o[4][16]; /* [row][nd / 16] */                                                                      \
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                                     \
         for (long l = 0; l < n; l++)                                                                               \
-            for (long d = 0; d < D / 16; d++) o[l][d] = _mm512_setzero_ps();                                       \
+            for (long d = 0; d < nd / 16; d++) o[l][d] = _mm512_setzero_ps();                                      \
         for (long s = 0; s < S; s++) {                                                                             \
             const float *pr = sc + s * ss + l0 * ls;                                                               \
             int zero = 1;                                                                                          \
             for (long l = 0; l < n; l++) zero &= pr[l * ls] == 0.0f;                                               \
+            if (tot != NULL)                                                                                       \
+                for (long l = 0; l < n; l++) t[l] += pr[l * ls];                                                   \
             if (zero) continue;                                                                                    \
-            for (long d = 0; d < D / 16; d++) {                                                                    \
-                __m512 vv = LOAD(vh + s * D + d * 16);                                                             \
+            for (long d = 0; d < nd / 16; d++) {                                                                   \
+                __m512 vv = LOAD(vh + s * D + d0 + d * 16);                                                        \
                 for (long l = 0; l < n; l++) o[l][d] = _mm512_fmadd_ps(_mm512_set1_ps(pr[l * ls]), vv, o[l][d]);   \
             }                                                                                                      \
         }                                                                                                          \
         for (long l = 0; l < n; l++) {                                                                             \
-            long r = r0 + l0 + l, t = r / G, h = kvh * G + r % G;                                                  \
-            for (long d = 0; d < D / 16; d++)                                                                      \
-                STORE(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(o[l][d], _mm512_set1_ps(inv[l0 + l])));       \
+            long r = r0 + l0 + l, th = r / G, h = kvh * G + r % G;                                                 \
+            float scale = tot != NULL ? 1.0f / (tot[l0 + l] = t[l]) : inv[l0 + l];                                 \
+            for (long d = 0; d < nd / 16; d++)                                                                     \
+                STORE(out + (th * Hq + h) * D + d0 + d * 16, _mm512_mul_ps(o[l][d], _mm512_set1_ps(scale)));      \
         }                                                                                                          \
     }                                                                                                              \
     static inline __attribute__((always_inline)) void NAME(const float *sc, const TYPE *vh, TYPE *out,             \
-                                                           const float *inv, long used, long r0, long G, long Hq,  \
-                                                           long kvh, long S, const long D, long ss, long ls) {     \
+        const float *inv, long used, long r0, long G, long Hq, long kvh, long S, const long D, long ss, long ls,    \
+        const long d0, const long nd, float *tot) {                                                                \
         for (long l0 = 0; l0 < used; l0 += 4) /* a pass's row count a constant: its sums stay in registers */      \
             switch (used - l0) {                                                                                   \
-            case 1: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 1); break;                     \
-            case 2: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 2); break;                     \
-            case 3: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 3); break;                     \
-            default: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 4);                           \
+            case 1: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 1, d0, nd, tot); break;        \
+            case 2: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 2, d0, nd, tot); break;        \
+            case 3: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 3, d0, nd, tot); break;        \
+            default: NAME##_pass(sc, vh, out, inv, r0, G, Hq, kvh, S, D, ss, ls, l0, 4, d0, nd, tot);              \
             }                                                                                                      \
     }
 /* unmasked loads and stores: the layers' load16/store16 with a full mask here made 8-row attention 1.4x slower (gcc
@@ -239,19 +245,20 @@ static inline void softmax_lanes(float *sc, long S, __m512 top, float *inv) {
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
 }
 
-/* One block's scores, 16 query rows (lanes) against every key s < S, scaled and masked into sc; returns the lanes'
- * max. bf16: the queries packed as pairs (the layout of gemv_bf16), a key's 16 scores one vdpbf16ps chain over its
- * broadcast pairs; float32: the queries lane-major per dimension, one fused multiply-add chain over d in order. KEYS
- * keys' chains run side by side so each chain's latency is hidden; each lane's sum is in one order. */
+/* One block's scores, 16 query rows (lanes) against the keys s_lo <= s < S, scaled and masked into sc; returns the
+ * lanes' max. bf16: the queries packed as pairs (the layout of gemv_bf16), a key's 16 scores one vdpbf16ps chain over
+ * its broadcast pairs; float32: the queries lane-major per dimension, one fused multiply-add chain over d in order.
+ * KEYS keys' chains run side by side so each chain's latency is hidden; each lane's sum is in one order. */
 static inline __m512 scores_bf16(const uint16_t *q, const uint16_t *kh, long r0, long used, long G, long Hq, long kvh,
-                                 long D, long S, long start, const __mmask16 *sees_new, float scale, float *sc) {
+                                 long D, long s_lo, long S, long start, const __mmask16 *sees_new, float scale,
+                                 float *sc) {
     uint32_t qp[128 * 16];  /* [D/2, 16] bf16 pairs of the block's queries; lane l = row r0 + l = (t, g) */
     for (long l = 0; l < 16; l++) {
         long r = r0 + l, t = r / G, h = kvh * G + r % G;
         for (long dp = 0; dp < D / 2; dp++) qp[dp * 16 + l] = l < used ? ((const uint32_t *)(q + (t * Hq + h) * D))[dp] : 0;
     }
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (long s0 = 0; s0 < S; s0 += KEYS) {
+    for (long s0 = s_lo; s0 < S; s0 += KEYS) {
         long nk = S - s0 < KEYS ? S - s0 : KEYS;
         __m512 acc[KEYS];
         for (long j = 0; j < KEYS; j++) acc[j] = _mm512_setzero_ps();
@@ -267,14 +274,14 @@ static inline __m512 scores_bf16(const uint16_t *q, const uint16_t *kh, long r0,
 }
 
 static inline __m512 scores_f32(const float *q, const float *kh, long r0, long used, long G, long Hq, long kvh, long D,
-                                long S, long start, const __mmask16 *sees_new, float scale, float *sc) {
+                                long s_lo, long S, long start, const __mmask16 *sees_new, float scale, float *sc) {
     float qf[256 * 16];  /* [D, 16]: lane l = row r0 + l = (t, g) */
     for (long l = 0; l < 16; l++) {
         long r = r0 + l, t = r / G, h = kvh * G + r % G;
         for (long d = 0; d < D; d++) qf[d * 16 + l] = l < used ? q[(t * Hq + h) * D + d] : 0.0f;
     }
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (long s0 = 0; s0 < S; s0 += KEYS) {
+    for (long s0 = s_lo; s0 < S; s0 += KEYS) {
         long nk = S - s0 < KEYS ? S - s0 : KEYS;
         __m512 acc[KEYS];
         for (long j = 0; j < KEYS; j++) acc[j] = _mm512_setzero_ps();
@@ -342,7 +349,8 @@ static inline void keep_scores_row(float *scl, long s0, long S, long start, cons
  * per 32-bit transposed element (bf16: a pair, as vdpbf16ps takes them; float32: one); top[l]: row l's max */
 #define KEY_ROWS(NAME, TYPE, W, DOT)                                                                               \
     static inline __attribute__((always_inline)) void NAME##_n(const TYPE *q, const TYPE *kh, long r0,             \
-        const long used, long G, long Hq, long kvh, long D, long S, long start, const __mmask16 *sees_new,         \
+        const long used, long G, long Hq, long kvh, long D, long s_lo, long S, long stride, long start,      \
+        const __mmask16 *sees_new,         \
         float scale, float *sc, float *top) {                                                                      \
         const uint32_t *qr[KIL_ROWS];                                                                              \
         __m512 tops[KIL_ROWS];                                                                                     \
@@ -351,7 +359,7 @@ static inline void keep_scores_row(float *scl, long s0, long S, long start, cons
             qr[l] = (const uint32_t *)(q + (t * Hq + h) * D);                                                      \
             tops[l] = _mm512_set1_ps(-INFINITY);                                                                   \
         }                                                                                                          \
-        for (long s0 = 0; s0 < S; s0 += 16) {                                                                      \
+        for (long s0 = s_lo; s0 < S; s0 += 16) {                                                                   \
             long nk = S - s0 < 16 ? S - s0 : 16;                                                                   \
             __m512 acc[KIL_ROWS];                                                                                  \
             for (long l = 0; l < used; l++) acc[l] = _mm512_setzero_ps();                                          \
@@ -364,22 +372,22 @@ static inline void keep_scores_row(float *scl, long s0, long S, long start, cons
                     for (long l = 0; l < used; l++) acc[l] = DOT(acc[l], r[e], qr[l][c * 16 + e]);                 \
             }                                                                                                      \
             for (long l = 0; l < used; l++)                                                                        \
-                keep_scores_row(sc + l * S, s0, S, start, sees_new, l, acc[l], scale, &tops[l]);                   \
+                keep_scores_row(sc + l * stride, s0, S, start, sees_new, l, acc[l], scale, &tops[l]);              \
         }                                                                                                          \
         for (long l = 0; l < used; l++) top[l] = _mm512_reduce_max_ps(tops[l]);                                   \
     }                                                                                                              \
     /* one body per row count, so the rows' accumulators stay in registers */                                      \
-    static void NAME(const TYPE *q, const TYPE *kh, long r0, long used, long G, long Hq, long kvh, long D, long S,  \
-                     long start, const __mmask16 *sees_new, float scale, float *sc, float *top) {                  \
+    static void NAME(const TYPE *q, const TYPE *kh, long r0, long used, long G, long Hq, long kvh, long D, long s_lo, \
+                     long S, long stride, long start, const __mmask16 *sees_new, float scale, float *sc, float *top) {\
         switch (used) {                                                                                            \
-        case 1: NAME##_n(q, kh, r0, 1, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        case 2: NAME##_n(q, kh, r0, 2, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        case 3: NAME##_n(q, kh, r0, 3, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        case 4: NAME##_n(q, kh, r0, 4, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        case 5: NAME##_n(q, kh, r0, 5, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        case 6: NAME##_n(q, kh, r0, 6, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        case 7: NAME##_n(q, kh, r0, 7, G, Hq, kvh, D, S, start, sees_new, scale, sc, top); break;                  \
-        default: NAME##_n(q, kh, r0, 8, G, Hq, kvh, D, S, start, sees_new, scale, sc, top);                        \
+        case 1: NAME##_n(q, kh, r0, 1, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        case 2: NAME##_n(q, kh, r0, 2, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        case 3: NAME##_n(q, kh, r0, 3, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        case 4: NAME##_n(q, kh, r0, 4, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        case 5: NAME##_n(q, kh, r0, 5, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        case 6: NAME##_n(q, kh, r0, 6, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        case 7: NAME##_n(q, kh, r0, 7, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top); break;    \
+        default: NAME##_n(q, kh, r0, 8, G, Hq, kvh, D, s_lo, S, stride, start, sees_new, scale, sc, top);          \
         }                                                                                                          \
     }
 static inline __m512 dot_pair_bf16(__m512 acc, __m512i k, uint32_t q) {
@@ -427,34 +435,141 @@ static inline void softmax_key_rows(float *sc, long S, long used, const float *t
  * same operations in the same order whatever shares its block. A block of at most KIL_ROWS rows takes the keys-in-lanes
  * path (KEY_ROWS_FN, softmax_key_rows), which gives each row the same numbers bit for bit.
  *
+ * Blocks are the threads' items. Where they do not divide among the threads and the keys are many (an AR step: 3
+ * blocks on 2 threads left one thread reading twice the cache), NAME##_split shares each block between threads
+ * without changing a number: the scores and their exponentials a chunk of keys each (every score computed alone;
+ * the max is exact in any order), then the values a slice of columns each, every row's total and weighted sum still
+ * taken over the keys in order.
+ *
  * q, out: [T, Hq, D]; k, v: [Hkv, cap, D] (TYPE: bf16 as uint16, or float); mask: [T, T] bytes or NULL; scratch:
  * Hkv * ceil(G*T/16) * (start + T) * 16 float32. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
-#define ATTEND(NAME, TYPE, SCORES, KEY_ROWS_FN, VALUES)                                                    \
-    void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,       \
-              long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                   \
-        long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                 \
+#define SPLIT_KEYS 1024  /* keys from which blocks are shared between threads */
+
+/* exp(score - the row's max) in place for keys [s_lo, S) of one block (unseen keys -> 0): softmax_lanes' and
+ * softmax_key_rows' numbers. Keys in lanes (ls > 1): row l's scores at sc + l * ls, tops[l] its max; else 16 lanes a
+ * key, top the lanes' max. */
+static inline void exp_keys(float *sc, long s_lo, long S, long used, long ls, const float *tops, __m512 top) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    if (ls > 1) {
+        for (long l = 0; l < used; l++)
+            for (long s0 = s_lo; s0 < S; s0 += 16) {
+                __mmask16 m = tail(S, s0);
+                __m512 x = _mm512_mask_loadu_ps(ninf, m, sc + l * ls + s0);
+                __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+                __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(tops[l]))));
+                _mm512_mask_storeu_ps(sc + l * ls + s0, m, e);
+            }
+        return;
+    }
+    for (long s = s_lo; s < S; s++) {
+        __m512 x = _mm512_loadu_ps(sc + s * 16);
+        __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        _mm512_storeu_ps(sc + s * 16, _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, top))));
+    }
+}
+
+/* VALUES##_pass over rows l0 .. l0 + n (n <= 4) and columns [d0, d0 + nd), each row's total summed there (tot: the
+ * block's totals); D and nd constants where they are common, so the sums stay in registers */
+#define VALUES_PART(PASS, sc, vh, out, r0, G, Hq, kvh, S, D, ss, ls, l0, n, d0, nd, tot)                          \
+    switch (n * 1000 + (D == 64 && nd == 64 ? 1 : D == 128 && nd == 128 ? 2 : D == 128 && nd == 64 ? 3 : 0)) {    \
+    case 1001: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 64, ss, ls, l0, 1, 0, 64, tot); break;                 \
+    case 2001: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 64, ss, ls, l0, 2, 0, 64, tot); break;                 \
+    case 3001: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 64, ss, ls, l0, 3, 0, 64, tot); break;                 \
+    case 4001: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 64, ss, ls, l0, 4, 0, 64, tot); break;                 \
+    case 1002: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 1, 0, 128, tot); break;               \
+    case 2002: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 2, 0, 128, tot); break;               \
+    case 3002: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 3, 0, 128, tot); break;               \
+    case 4002: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 4, 0, 128, tot); break;               \
+    case 1003: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 1, d0, 64, tot); break;               \
+    case 2003: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 2, d0, 64, tot); break;               \
+    case 3003: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 3, d0, 64, tot); break;               \
+    case 4003: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, 128, ss, ls, l0, 4, d0, 64, tot); break;               \
+    default: PASS(sc, vh, out, NULL, r0, G, Hq, kvh, S, D, ss, ls, l0, n, d0, nd, tot);                          \
+    }
+
+#define ATTEND(NAME, TYPE, SCORES, KEY_ROWS_FN, VALUES)                                                              \
+    static void NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out,  \
+                             long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,             \
+                             int threads) {                                                                          \
+        long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16, items = Hkv * blocks;            \
+        long per = ((S + threads - 1) / threads + 15) / 16 * 16, chunks = (S + per - 1) / per;                       \
+        long parts = 1; /* column slices of whole 128-byte pairs of cache lines (a line alone: its pair is fetched \
+                         * beside it), at most one a thread */                                                      \
+        while (parts * 2 <= threads && (long)sizeof(TYPE) * D / (parts * 2) >= 128 && D % (parts * 32) == 0)        \
+            parts *= 2;                                                                                             \
+        float *tops = malloc(sizeof(float) * 16 * items * chunks);                                                  \
+        _Pragma("omp parallel num_threads(threads)")                                                               \
+        {                                                                                                           \
+            _Pragma("omp for schedule(static)")                                                                    \
+            for (long it = 0; it < items * chunks; it++) {                                                          \
+                long item = it / chunks, s_lo = (it % chunks) * per, s_hi = s_lo + per < S ? s_lo + per : S;        \
+                long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;        \
+                __mmask16 sees_new[T];                                                                              \
+                lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                   \
+                float *sc = scratch + item * S * 16;                                                                \
+                _mm512_storeu_ps(tops + it * 16, _mm512_set1_ps(-INFINITY));                                        \
+                if (used <= KIL_ROWS)                                                                               \
+                    KEY_ROWS_FN(q, k + kvh * cap * D, r0, used, G, Hq, kvh, D, s_lo, s_hi, S, start, sees_new,       \
+                                scale, sc, tops + it * 16);                                                         \
+                else                                                                                                \
+                    _mm512_storeu_ps(tops + it * 16, SCORES(q, k + kvh * cap * D, r0, used, G, Hq, kvh, D, s_lo,    \
+                                                            s_hi, start, sees_new, scale, sc));                    \
+            }                                                                                                       \
+            _Pragma("omp for schedule(static)")                                                                    \
+            for (long it = 0; it < items * chunks; it++) {                                                          \
+                long item = it / chunks, s_lo = (it % chunks) * per, s_hi = s_lo + per < S ? s_lo + per : S;        \
+                long r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;                             \
+                __m512 top = _mm512_loadu_ps(tops + item * chunks * 16);                                            \
+                for (long c = 1; c < chunks; c++)                                                                   \
+                    top = _mm512_max_ps(top, _mm512_loadu_ps(tops + (item * chunks + c) * 16));                     \
+                float rtop[16];                                                                                     \
+                _mm512_storeu_ps(rtop, top);                                                                        \
+                exp_keys(scratch + item * S * 16, s_lo, s_hi, used, used <= KIL_ROWS ? S : 1, rtop, top);           \
+            }                                                                                                       \
+            _Pragma("omp for schedule(static)") /* a block's passes of 4 rows and column slices: one item each */   \
+            for (long it = 0; it < items * 4 * parts; it++) {                                                       \
+                long item = it / (4 * parts), l0 = (it / parts) % 4 * 4;                                            \
+                long kvh = item / blocks, r0 = (item % blocks) * 16;                                                \
+                long used = rows - r0 < 16 ? rows - r0 : 16, nd = D / parts, d0 = (it % parts) * nd;                \
+                if (l0 >= used)                                                                                     \
+                    continue;                                                                                       \
+                long ss = used <= KIL_ROWS ? 1 : 16, ls = used <= KIL_ROWS ? S : 1, n = used - l0 < 4 ? used - l0 : 4; \
+                float tot[16];                                                                                      \
+                VALUES_PART(VALUES##_pass, scratch + item * S * 16, v + kvh * cap * D, out, r0, G, Hq, kvh, S, D,   \
+                            ss, ls, l0, n, d0, nd, tot)                                                             \
+            }                                                                                                       \
+        }                                                                                                           \
+        free(tops);                                                                                                 \
+    }                                                                                                               \
+    void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,        \
+              long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                    \
+        long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                  \
+        if (threads > 1 && S >= SPLIT_KEYS && (Hkv * blocks) % threads != 0) {                                      \
+            NAME##_split(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads);                   \
+            return;                                                                                                 \
+        }                                                                                                           \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
-        for (long item = 0; item < Hkv * blocks; item++) {                                                         \
+        for (long item = 0; item < Hkv * blocks; item++) {                                                          \
             long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;            \
-            const TYPE *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;                                           \
-            float *sc = scratch + item * S * 16;                                                                   \
-            __mmask16 sees_new[T];                                                                                 \
-            lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                      \
-            float inv[16];                                                                                         \
-            long ss = 16, ls = 1; /* where row l's probability of key s is: sc[s * ss + l * ls] */                 \
-            if (used <= KIL_ROWS) {                                                                                \
-                float top[KIL_ROWS];                                                                               \
-                KEY_ROWS_FN(q, kh, r0, used, G, Hq, kvh, D, S, start, sees_new, scale, sc, top);                   \
-                softmax_key_rows(sc, S, used, top, inv);                                                           \
-                ss = 1, ls = S;                                                                                    \
-            } else {                                                                                               \
-                __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, S, start, sees_new, scale, sc);                \
-                softmax_lanes(sc, S, top, inv);                                                                    \
-            }                                                                                                      \
-            if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64, ss, ls); /* constant D: registers */\
-            else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128, ss, ls);                     \
-            else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D, ss, ls);                                     \
-        }                                                                                                          \
+            const TYPE *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;                                            \
+            float *sc = scratch + item * S * 16;                                                                    \
+            __mmask16 sees_new[T];                                                                                  \
+            lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                       \
+            float inv[16];                                                                                          \
+            long ss = 16, ls = 1; /* where row l's probability of key s is: sc[s * ss + l * ls] */                  \
+            if (used <= KIL_ROWS) {                                                                                 \
+                float top[KIL_ROWS];                                                                                \
+                KEY_ROWS_FN(q, kh, r0, used, G, Hq, kvh, D, 0, S, S, start, sees_new, scale, sc, top);              \
+                softmax_key_rows(sc, S, used, top, inv);                                                            \
+                ss = 1, ls = S;                                                                                     \
+            } else {                                                                                                \
+                __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, 0, S, start, sees_new, scale, sc);              \
+                softmax_lanes(sc, S, top, inv);                                                                     \
+            }                                                                                                       \
+            if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64, ss, ls, 0, 64, NULL); /* registers */\
+            else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128, ss, ls, 0, 128, NULL);        \
+            else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D, ss, ls, 0, D, NULL);                          \
+        }                                                                                                           \
     }
 ATTEND(attend_bf16, uint16_t, scores_bf16, key_rows_bf16, weighted_values_bf16)
 ATTEND(attend_f32, float, scores_f32, key_rows_f32, weighted_values_f32)
