@@ -438,8 +438,9 @@ static inline void softmax_key_rows(float *sc, long S, long used, const float *t
  * Blocks are the threads' items. Where they do not divide among the threads and the keys are many (an AR step: 3
  * blocks on 2 threads left one thread reading twice the cache), NAME##_split shares each block between threads
  * without changing a number: the scores and their exponentials a chunk of keys each (every score computed alone;
- * the max is exact in any order), then the values a slice of columns each, every row's total and weighted sum still
- * taken over the keys in order.
+ * the max is exact in any order), then the values a pass of 4 rows or a slice of columns each, every row's total and
+ * weighted sum still taken over the keys in order. (A NaN score, which only a broken model gives, restarts the
+ * running max where it falls: there the split's maxima, and so the output's last bits, can differ.)
  *
  * q, out: [T, Hq, D]; k, v: [Hkv, cap, D] (TYPE: bf16 as uint16, or float); mask: [T, T] bytes or NULL; scratch:
  * Hkv * ceil(G*T/16) * (start + T) * 16 float32. D % 32 == 0, D <= 256, Hq % Hkv == 0. */
@@ -488,16 +489,22 @@ static inline void exp_keys(float *sc, long s_lo, long S, long used, long ls, co
     }
 
 #define ATTEND(NAME, TYPE, SCORES, KEY_ROWS_FN, VALUES)                                                              \
-    static void NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out,  \
-                             long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,             \
-                             int threads) {                                                                          \
+    static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out,   \
+                            long T, long Hq, long Hkv, long D, long start, float scale, float *scratch,              \
+                            int threads) {                                                                           \
         long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16, items = Hkv * blocks;            \
         long per = ((S + threads - 1) / threads + 15) / 16 * 16, chunks = (S + per - 1) / per;                       \
         long parts = 1; /* column slices of whole 128-byte pairs of cache lines (a line alone: its pair is fetched \
                          * beside it), at most one a thread */                                                      \
         while (parts * 2 <= threads && (long)sizeof(TYPE) * D / (parts * 2) >= 128 && D % (parts * 32) == 0)        \
             parts *= 2;                                                                                             \
-        float *tops = malloc(sizeof(float) * 16 * items * chunks);                                                  \
+        float *tops = malloc(sizeof(float) * 16 * items * chunks + sizeof(long) * 4 * items);                        \
+        if (tops == NULL)                                                                                           \
+            return -1;                                                                                              \
+        long *passes = (long *)(tops + 16 * items * chunks), units = 0; /* item * 4 + pass of 4 rows, in order */   \
+        for (long item = 0; item < items; item++)                                                                   \
+            for (long l0 = 0; l0 < 16 && l0 < rows - (item % blocks) * 16; l0 += 4)                                \
+                passes[units++] = item * 4 + l0 / 4;                                                                \
         _Pragma("omp parallel num_threads(threads)")                                                               \
         {                                                                                                           \
             _Pragma("omp for schedule(static)")                                                                    \
@@ -526,13 +533,11 @@ static inline void exp_keys(float *sc, long s_lo, long S, long used, long ls, co
                 _mm512_storeu_ps(rtop, top);                                                                        \
                 exp_keys(scratch + item * S * 16, s_lo, s_hi, used, used <= KIL_ROWS ? S : 1, rtop, top);           \
             }                                                                                                       \
-            _Pragma("omp for schedule(static)") /* a block's passes of 4 rows and column slices: one item each */   \
-            for (long it = 0; it < items * 4 * parts; it++) {                                                       \
-                long item = it / (4 * parts), l0 = (it / parts) % 4 * 4;                                            \
+            _Pragma("omp for schedule(static)") /* a block's passes of 4 rows and column slices: one unit each */   \
+            for (long it = 0; it < units * parts; it++) {                                                           \
+                long item = passes[it / parts] / 4, l0 = passes[it / parts] % 4 * 4;                                \
                 long kvh = item / blocks, r0 = (item % blocks) * 16;                                                \
                 long used = rows - r0 < 16 ? rows - r0 : 16, nd = D / parts, d0 = (it % parts) * nd;                \
-                if (l0 >= used)                                                                                     \
-                    continue;                                                                                       \
                 long ss = used <= KIL_ROWS ? 1 : 16, ls = used <= KIL_ROWS ? S : 1, n = used - l0 < 4 ? used - l0 : 4; \
                 float tot[16];                                                                                      \
                 VALUES_PART(VALUES##_pass, scratch + item * S * 16, v + kvh * cap * D, out, r0, G, Hq, kvh, S, D,   \
@@ -540,14 +545,14 @@ static inline void exp_keys(float *sc, long s_lo, long S, long used, long ls, co
             }                                                                                                       \
         }                                                                                                           \
         free(tops);                                                                                                 \
+        return 0;                                                                                                   \
     }                                                                                                               \
     void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,        \
               long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                    \
         long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                  \
-        if (threads > 1 && S >= SPLIT_KEYS && (Hkv * blocks) % threads != 0) {                                      \
-            NAME##_split(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads);                   \
-            return;                                                                                                 \
-        }                                                                                                           \
+        if (threads > 1 && S >= SPLIT_KEYS && (Hkv * blocks) % threads != 0                                         \
+            && NAME##_split(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads) == 0)           \
+            return; /* else unsplit (no memory for the split's maxima) */                                           \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
         for (long item = 0; item < Hkv * blocks; item++) {                                                          \
             long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;            \
