@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specrun.actors.memory import draft_window_bytes
-from specrun.decoding.drafters import quant_draft
+from specrun.decoding.drafters import kernel_window, quant_draft
 from specrun.decoding.drafters.kernel_window import SLIDE, DraftWindow, window_bytes, window_slots
 from specrun.decoding.drafters.quant_draft import KernelForward
 from specrun.decoding.drafters.quant_torch import SINKS, WINDOW
@@ -85,6 +85,24 @@ def test_a_rebuild_keeps_the_older_slots_the_last_query_scores_highest():
     assert win.held()[:, :, 24:].eq(torch.arange(280, 300)).all()
     assert not torch.equal(chosen[0, 0], chosen[0, 1])  # each KV head its own
 
+
+
+def test_the_rebuilds_of_a_growing_text_multiply_a_few_shapes(monkeypatch):
+    """oneDNN keeps a primitive for every shape it multiplies: rebuilds that scored exactly the slots they choose from
+    (a new shape every SLIDE tokens) grew a 100K job's worker by ~1 KB a token. A rebuild scores whole spans of
+    SCORED_SPAN slots (or the rest of the cache), so a text's rebuilds multiply a few shapes, and still keep the
+    highest-scoring slots (the test above)."""
+    shapes = []
+    real = kernel_window.importance
+    monkeypatch.setattr(kernel_window, "importance", lambda q, k: shapes.append(tuple(k.shape)) or real(q, k))
+    monkeypatch.setattr(kernel_window, "SCORED_SPAN", 256)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn((3, 2, 2000, 32), generator=gen).bfloat16() for _ in range(2))
+    win = DraftWindow(3, 2, 32, 2000, **SMALL)
+    win.note_query(torch.randn((3, 4, 32), generator=gen).bfloat16())
+    for length in range(100, 2000, 20):
+        win.sync(cpu_kernels(), k, v, length)
+    assert win.rebuilds >= 40 and len(set(shapes)) <= 2000 // 256 + 1, (win.rebuilds, sorted(set(shapes)))
 
 def test_a_mirror_is_no_larger_than_its_sequences_cache_can_fill():
     """A short sequence's mirror holds its cache's slots and a draft's reserve, a long one's the window's; its bytes

@@ -21,6 +21,7 @@ from specrun.decoding.kernels.cpu_kernels import CpuKernels
 SLIDE = 256  # a rebuild leaves this much room: the mirror is chosen and copied again every SLIDE tokens
 RESERVE = 16  # mirror slots past the committed ones for a draft's own tokens (quant_draft.MAX_CHAIN + 1)
 RECENT_SHARE = 0.5  # of the window, the share of the last slots kept whatever their importance
+SCORED_SPAN = 4096  # a rebuild scores whole spans of slots: oneDNN keeps a primitive for every shape it multiplies
 
 
 def window_slots(capacity: int, sinks: int = SINKS, window: int = WINDOW, slide: int = SLIDE,
@@ -104,7 +105,8 @@ class DraftWindow:
         if self.query is None or keep == recent:  # no query yet: the most recent instead
             chosen = torch.arange(length - keep, old).expand(Lyr, Hkv, -1)
         else:
-            scores = torch.stack([importance(self.query[i], k[i, :, s:old]) for i in range(Lyr)])  # [Lyr, Hkv, old - s]
+            span = min(-(-(old - s) // SCORED_SPAN) * SCORED_SPAN, k.shape[2] - s)  # slots past old: scored, unused
+            scores = torch.stack([importance(self.query[i], k[i, :, s : s + span]) for i in range(Lyr)])[..., : old - s]
             chosen = scores.topk(keep - recent, dim=2, sorted=False).indices.sort(dim=2).values + s
         sinks, tail = torch.arange(s).expand(Lyr, Hkv, -1), torch.arange(old, length).expand(Lyr, Hkv, -1)
         self.selected = torch.cat([sinks, chosen, tail], dim=2)
