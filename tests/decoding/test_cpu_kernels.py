@@ -146,6 +146,14 @@ def _cache(Hkv, cap, D, seed, dtype):
     return torch.randn(Hkv, cap, D, generator=g).to(dtype), torch.randn(Hkv, cap, D, generator=g).to(dtype)
 
 
+def _tree(T: int, g: torch.Generator) -> torch.Tensor:
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, T)]
+    mask = torch.eye(T, dtype=torch.bool)
+    for j in range(1, T):
+        mask[j] |= mask[parents[j]]  # a row sees its ancestors
+    return mask
+
+
 DTYPES = pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 
 
@@ -204,15 +212,6 @@ def test_attention_row_is_the_same_alone_or_beside_another(dtype, start):
         torch.set_num_threads(threads)
 
 
-
-def _tree(T: int, g: torch.Generator) -> torch.Tensor:
-    parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, T)]
-    mask = torch.eye(T, dtype=torch.bool)
-    for j in range(1, T):
-        mask[j] |= mask[parents[j]]  # a row sees its ancestors
-    return mask
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128)])
@@ -239,6 +238,7 @@ def test_many_keys_shared_between_threads_give_each_row_the_numbers_of_one_threa
                 assert torch.equal(kernels.attend(q[d : d + 1], k, v, start + d, None, D**-0.5), alone[d : d + 1])
     finally:
         torch.set_num_threads(threads)
+
 
 def _rows(kind: str, T: int, V: int, g: torch.Generator) -> torch.Tensor:
     x = torch.randn(T, V, generator=g)
