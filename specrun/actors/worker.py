@@ -270,6 +270,7 @@ class _Checkpointer:
         """The timeline row of the tokens after the last chunk (they go to the output row, not to a chunk)."""
         self.timeline.truncate(len(all_tokens))  # a stop string may have ended the text inside the resumed tokens
         if len(all_tokens) > self.start:
+            trim_heap()  # as at a checkpoint: every row reads the RSS of the memory in use
             self._row(self.start, len(all_tokens))
 
     def _row(self, start: int, end: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import pyarrow.parquet as pq
 import pytest
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
@@ -130,7 +131,8 @@ def test_worker_refuses_a_job_directory_other_than_the_drivers(model, tmp_path):
 
 
 def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch):
-    """The C heap's free pages go back to the OS at every checkpoint (actors/heap.py), not at every step."""
+    """The C heap's free pages go back to the OS at every checkpoint (actors/heap.py) and before the last timeline
+    row (the tokens after the last chunk), so that every row's RSS is the memory in use; not at every step."""
     import specrun.actors.worker as worker
 
     trims = []
@@ -138,4 +140,5 @@ def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch)
     w = GenerationWorker(_spec(model, tmp_path, checkpoint_every=16, checkpoint_seconds=1000), slot=0)
     assert w.generate(_task())["token_ids"] == reference
     chunks = list((tmp_path / "progress" / id_key("p/1")).iterdir())
-    assert len(trims) == len(chunks) > 1
+    rows = sum(pq.read_table(f).num_rows for f in (tmp_path / "timeline").iterdir())
+    assert len(reference) % 16 and len(trims) == rows == len(chunks) + 1 > 2
