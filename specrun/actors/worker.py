@@ -226,7 +226,6 @@ class _Checkpointer:
         checkpoint = len(self.buf) >= self.due or (
             bool(self.buf) and now - self.last_ckpt >= self.w.spec.checkpoint_seconds)
         if checkpoint:
-            trim_heap()  # the heap's free pages back to the OS, before the timeline row reads the RSS
             if not self._write(self.buf):
                 self.due = len(self.buf) + self.w.spec.checkpoint_every
             self.snapshot()
@@ -270,10 +269,10 @@ class _Checkpointer:
         """The timeline row of the tokens after the last chunk (they go to the output row, not to a chunk)."""
         self.timeline.truncate(len(all_tokens))  # a stop string may have ended the text inside the resumed tokens
         if len(all_tokens) > self.start:
-            trim_heap()  # as at a checkpoint: every row reads the RSS of the memory in use
             self._row(self.start, len(all_tokens))
 
     def _row(self, start: int, end: int) -> None:
+        trim_heap()  # the heap's free pages back to the OS: every row reads the RSS of the memory in use
         now, counters = time.monotonic(), self.stats().snapshot()
         self.timeline.add(chunk_row(self.timeline.attempt, start, end, now - self.row_at, time.time(), self.row_stats,
                                     counters, socket.gethostname(), self.w.slot, rss_mb()))
