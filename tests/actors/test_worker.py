@@ -133,7 +133,7 @@ def test_worker_refuses_a_job_directory_other_than_the_drivers(model, tmp_path):
 def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch):
     """The C heap's free pages go back to the OS at every checkpoint (actors/heap.py) and before the last timeline
     row (the tokens after the last chunk), so that every row's RSS is the memory in use; not at every step."""
-    import specrun.actors.worker as worker
+    from specrun.actors import worker
 
     trims = []
     monkeypatch.setattr(worker, "trim_heap", lambda: trims.append(1))
@@ -141,4 +141,5 @@ def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch)
     assert w.generate(_task())["token_ids"] == reference
     chunks = list((tmp_path / "progress" / id_key("p/1")).iterdir())
     rows = sum(pq.read_table(f).num_rows for f in (tmp_path / "timeline").iterdir())
-    assert len(reference) % 16 and len(trims) == rows == len(chunks) + 1 > 2
+    assert len(reference) % 16, "the text must end past its last chunk, so that the last row has its own trim"
+    assert len(trims) == rows == len(chunks) + 1 > 2
