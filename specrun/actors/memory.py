@@ -77,7 +77,7 @@ def draft_window_bytes(lm, config, need: int) -> int:
     from specrun.decoding.drafters.quant_draft import KernelForward, quantized
     from specrun.decoding.forward.decoder import FusedDecoder
 
-    if not config.wants_quant:
+    if not config.wants_quant or lm.device.type != "cpu":  # our kernels' draft is the CPU's (no copy built elsewhere)
         return 0
     dec = FusedDecoder.of(lm.model)
     if not isinstance(quantized(dec), KernelForward):

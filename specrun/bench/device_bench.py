@@ -1,7 +1,8 @@
 """Speed of the decode path on random-weight models shaped like real ones, built on the device from a config (their
 text is noise; their step costs are the real model's): AR steps against the memory roofline, verify widths, batches.
 
-random_model(shape, dtype, device) -> LoadedModel; decode_rates, verify_costs, engine_rates, batch_rates -> dicts.
+random_model(shape, dtype, device) -> LoadedModel; decode_rates, verify_costs, engine_rates, quant_draft_rates,
+batch_rates -> dicts.
 """
 
 from __future__ import annotations
@@ -168,19 +169,53 @@ def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict
             "ar_static": EngineConfig(drafters=(), step_graphs="on"),
             "spec_eager": EngineConfig(drafters=("ngram", "recycling"), step_graphs="off"),
             "spec": EngineConfig(drafters=("ngram", "recycling"), step_graphs="on")}
+    timed = _generations(lm, prompt, params, runs)
+    return [{"name": name, "tokens_per_s": len(res.token_ids) / s, "mean_accepted": res.stats["mean_accepted"],
+             "equal_to_ar_eager": equal, "divergence": div} for name, res, s, equal, div in timed]
+
+
+def _generations(lm: LoadedModel, prompt: list[int], params: SamplingParams, runs: dict[str, EngineConfig]
+                 ) -> list[tuple]:
+    """Each run's second generation of the prompt, timed (the first warms: the cache at its size, the graphs of its
+    buckets), against the first run's tokens. -> (name, result, seconds, equal, divergence as a dict or None: reduced
+    precision parts at a near tie, else a fault)"""
     out, ref = [], None
     for name, cfg in runs.items():
         engine = Engine(lm, cfg)
-        engine.generate(prompt, params)  # warm: the cache at its size, the graphs of its buckets
+        engine.generate(prompt, params)
         _sync(lm.device)
         t = time.perf_counter()
         res = engine.generate(prompt, params)
         _sync(lm.device)
         s = time.perf_counter() - t
         ref = res.token_ids if ref is None else ref
-        div = check_divergence(lm, prompt, params, ref, res.token_ids)  # reduced precision: a near tie, or a fault
-        out.append({"name": name, "tokens_per_s": len(res.token_ids) / s, "mean_accepted": res.stats["mean_accepted"],
-                    "equal_to_ar_eager": res.token_ids == ref, "divergence": None if div is None else div.as_dict()})
+        div = check_divergence(lm, prompt, params, ref, res.token_ids)
+        out.append((name, res, s, res.token_ids == ref, None if div is None else div.as_dict()))
+    return out
+
+
+def quant_draft_rates(lm: LoadedModel, prompt_len: int, new_tokens: int, width: int = 4) -> list[dict]:
+    """The 4-bit self-draft on the device (torch's int4 kernels: tinygemm on CUDA), one sequence at a fixed width
+    against AR, both with the static step (greedy, EOS ignored): its cost a drafted token against an AR step, and
+    that the output is AR's (reduced precision: a near tie may part them). Random weights: acceptance means nothing."""
+    from specrun.decoding.drafters.quant_draft import quantized
+    from specrun.decoding.forward.decoder import FusedDecoder
+
+    fwd = quantized(FusedDecoder.of(lm.model))
+    if fwd is None:
+        return [{"name": "spec_quant", "skipped": "no int4 kernel takes this model on this device"}]
+    prompt = _prompts(lm, 1, prompt_len)[0]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    runs = {"ar_static": EngineConfig(drafters=(), step_graphs="on"),
+            "spec_quant": EngineConfig(drafters=("quant",), trie_budget=width, adaptive_budget=False, step_graphs="on")}
+    out = []
+    for name, res, s, equal, div in _generations(lm, prompt, params, runs):
+        st = res.stats
+        drafted = (st["mean_trie_nodes"] - 1) * st["steps"]
+        out.append({"name": name, "tokens_per_s": len(res.token_ids) / s, "mean_accepted": st["mean_accepted"],
+                    "step_ms": 1e3 * s / st["steps"], "bits": getattr(fwd, "bits", 4),
+                    "draft_ms_per_node": 1e3 * st["phase_seconds"].get("draft", 0.0) / drafted if drafted else None,
+                    "equal_to_ar": equal, "divergence": div})
     return out
 
 

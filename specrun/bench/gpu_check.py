@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 CARRY = Path(os.environ.get("SPECRUN_CARRY", REPO / ".whl"))
 SITE = Path("/tmp/specrun-site")  # where the carried wheels are installed on the machine
 GPU_TESTS = ["tests/decoding/test_gpu.py", "tests/decoding/test_sampling.py", "tests/decoding/test_attention.py",
-             "tests/decoding/test_several_sequences.py"]
+             "tests/decoding/test_several_sequences.py", "tests/decoding/test_quant_draft.py"]
 
-ALL = ("build", "bandwidth", "decode", "verify", "engine", "batch")
+ALL = ("build", "bandwidth", "decode", "verify", "engine", "batch", "quant")
 SPEC = ("build", "engine", "batch")  # a cycle model: speculation's upper bound (its text is drafted whole)
 
 
@@ -36,7 +36,7 @@ def _model(shape: str, contexts=(), flashinfer: bool = False, cycle: int = 0, me
 # per device: the models, dtype and sizes each step uses; the budget in seconds (a 15-minute loan: ~0.5 min to start
 # the machine, this check, and time to run it once more)
 PLANS = {
-    "cuda": dict(budget=380, dtype="bfloat16", tests_timeout=150, models={
+    "cuda": dict(budget=420, dtype="bfloat16", tests_timeout=150, models={
         "llama-3.1-8b": _model("llama-3.1-8b", [1024, 16384, 65536], flashinfer=True),
         "llama-3.2-1b": _model("llama-3.2-1b", [1024, 16384, 65536, 100000]),
         "llama-3.1-8b-cycle": _model("llama-3.1-8b", flashinfer=True, cycle=16, measures=SPEC)},
@@ -210,6 +210,9 @@ def bench_model(check: Check, name: str, spec: dict, plan: dict, device: str, ha
         backends = (["flashinfer"] if spec["cycle"] else ["sdpa", "flashinfer"]) if fi else ["sdpa"]
         check.step(f"{name}/batch", lambda: db.batch_rates(lm, plan["levels"], plan["prompt_len"], plan["new_tokens"],
                                                            backends), need=30)
+    if "quant" in todo:  # last: the 4-bit copy's memory beside the model's
+        check.step(f"{name}/quant", lambda: db.quant_draft_rates(lm, plan["engine_prompt"], plan["engine_tokens"] // 2),
+                   need=30)
     lm = None  # the next model gets the memory back
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -93,8 +93,10 @@ class EngineConfig:
                          and (have_drafter or n not in NEEDS_DRAFTER) and (can_quantize or n not in NEEDS_QUANT))
         for name in self.drafters:
             if name in NEEDS_QUANT and not can_quantize:
-                raise ValueError(f"drafter {name!r} runs the model's 4-bit copy: it needs a model on the CPU whose "
-                                 f"linear layers take inputs in groups of 32 (a batched worker: one KV page a sequence)")
+                raise ValueError(f"drafter {name!r} runs the model's 4-bit copy: it needs a model whose linear layers "
+                                 f"take inputs in groups of 32, on the CPU or a CUDA GPU of compute capability 8.0+, "
+                                 f"and each sequence's K/V in one store (a batched worker: one KV page a sequence, "
+                                 f"the CPU's layout)")
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
             if name in NEEDS_DRAFTER and not have_drafter:
@@ -122,7 +124,10 @@ def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: b
     heads = heads if heads is not None or not config.heads_path else load_heads(config.heads_path, lm)
     recurrent = config.recurrent_weights(lm)
     dec = FusedDecoder.of(lm.model)
-    can_quantize = config.wants_quant and quantized(dec) is not None and (
+    # auto drafts with the 4-bit copy on the CPU, where it is measured to pay; on CUDA only when asked for (its eager
+    # forward there is not measured yet: docs/gpu-check.md), so auto builds no copy of the weights there
+    takes_quant = config.drafters is not None or lm.device.type == "cpu"
+    can_quantize = config.wants_quant and takes_quant and quantized(dec) is not None and (
         config.attention == "sdpa" if solo else whole_pages)
     return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
 

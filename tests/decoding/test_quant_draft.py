@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specrun.bench.neartie import check_divergence
+from specrun.decoding.config import resolve_drafting
 from specrun.decoding.drafters import quant_torch
 from specrun.decoding.drafters.quant_draft import KernelForward, QuantDrafter, pick, quantized
 from specrun.decoding.drafters.quant_torch import Int4Linear, Int8Linear, TorchForward, on_grid
@@ -22,7 +23,9 @@ from specrun.decoding.verify.sampling import SamplingParams, ar_choice
 from specrun.decoding.verify.trie import DraftContext
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
+from tests.decoding.test_attention import CUDA
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
 SAMPLED = SamplingParams(max_tokens=120, temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=32, seed=3,
                          ignore_eos=True)
@@ -277,6 +280,33 @@ def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model
         Engine(odd, EngineConfig(drafters=("quant",)))
 
 
+def test_off_the_cpu_auto_builds_no_4bit_copy_and_asking_for_it_drafts(model_dir):
+    """auto drafts with the 4-bit copy on the CPU, where it is measured to pay; elsewhere (CUDA: its eager forward
+    unmeasured) only when asked for. The device is the model's as resolve_drafting reads it."""
+    lm = load_model(str(model_dir), dtype="float32")
+    assert "quant" in resolve_drafting(EngineConfig(), lm, None)[2]
+    elsewhere = dataclasses.replace(lm, device=torch.device("cuda"))
+    dec = FusedDecoder.of(lm.model)
+    del dec._specrun_q4  # built by the line above: the copy is built only where it is to draft
+    assert "quant" not in resolve_drafting(EngineConfig(), elsewhere, None)[2]
+    assert not hasattr(dec, "_specrun_q4")
+    assert "quant" in resolve_drafting(EngineConfig(drafters=("quant",)), elsewhere, None)[2]
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_on_cuda_the_4bit_copy_drafts_through_tinygemm_and_changes_nothing(model_dir, params):
+    """float32 on CUDA: the draft's products on tinygemm, its attention and picks on the GPU; the output is AR's."""
+    lm = _on_grid(load_model(str(model_dir), dtype="float32", device="cuda"))
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, params).token_ids
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False))
+    result = engine.generate(PROMPT, params)
+    assert isinstance(engine.quant, TorchForward) and engine.quant.device.type == "cuda"
+    assert result.token_ids == ar
+    assert result.stats["mean_accepted"] > 3.0, result.stats
+
+
 @needs_kernels
 @pytest.mark.parametrize("start", [0, 17, 255, 256, 700])
 @pytest.mark.parametrize("T", [1, 2, 3, 17])  # 3 query heads a KV head: blocks of 3, 6, 9 and 16 + 3 rows
@@ -317,17 +347,34 @@ def test_a_repeated_passage_is_left_to_the_ngram_copy(model_dir, path, dtype):
     assert quant.wants(DraftContext(PROMPT[-1], len(PROMPT) - 1, budget=4, params=GREEDY))
 
 
+@pytest.mark.parametrize("n,k", [(37, 96), (160, 96), (17, 576), (40, 1536)])  # rows not a multiple of 16: padded
+def test_the_int4_operands_are_the_grid_as_torchs_kernels_read_it(n, k):
+    """The CUDA kernel's inputs (tinygemm: element 2i of a byte pair in the high nibble, w = (q - 8) * scale + zero),
+    read here by that rule and by nothing of ours, are quant.py's grid; the CPU kernel takes the same ones."""
+    w = torch.randn((n, k), generator=torch.Generator().manual_seed(n)) * 0.1
+    codes, scales = quant_torch.int4_operands(w)  # [N', K/2] uint8, [K/32, N', 2] bf16
+    assert codes.shape == (-(-n // 16) * 16, k // 2) and scales.shape == (k // 32, codes.shape[0], 2)
+    q = torch.empty((codes.shape[0], k), dtype=torch.float64)
+    q[:, 0::2], q[:, 1::2] = (codes // 16).double(), (codes % 16).double()
+    scale, zero = (s.double().T.repeat_interleave(32, dim=1) for s in scales.unbind(-1))  # [N', K] each
+    read = (q - 8) * scale + zero
+    # the scale and zero in bf16: a rounding of each, ~2^-8 of the group's size
+    assert ((read[:n] - quantize(w)[1].double()).abs() <= 2 ** -7 * w.abs().amax(1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,k", [(37, 96), (160, 96), (17, 576)])  # rows not a multiple of 16 are padded
-def test_torchs_int4_product_is_the_float64_one_on_the_dequantized_weights(n, k):
+def test_torchs_int4_product_is_the_float64_one_on_the_dequantized_weights(n, k, device):
+    """The CPU's int4 kernel, or tinygemm on CUDA (its CPU twin: the test above)."""
     gen = torch.Generator().manual_seed(n + 1)
     w, bias = torch.randn((n, k), generator=gen) * 0.1, torch.randn(n, generator=gen)
     deq = quantize(w)[1].double()
     for b in (None, bias):
-        lin = Int4Linear(w, b)
+        lin = Int4Linear(w.to(device), None if b is None else b.to(device))
         for rows in (1, 5):
             x = torch.randn((rows, k), generator=gen).bfloat16()
             want = x.double() @ deq.T + (0 if b is None else b.bfloat16().double())
-            y = lin(x).double()
+            y = lin(x.to(device)).double().cpu()
             assert y.shape == (rows, n)
             # bf16 output, bf16 scale and zero (a rounding of each: 2^-8 of the weights' size over the group sums)
             assert ((y - want).abs() <= 2 ** -7 * want.abs() + 0.02 * want.abs().max()).all()
@@ -387,21 +434,24 @@ def test_a_depths_rows_are_each_picked_as_alone():
     assert pick(logits.gather(1, ids), counts, params, positions, ids) == pick(sparse, counts, params, positions)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_torchs_int4_forward_computes_what_the_model_does_on_its_weights(model_dir, dtype):
+def test_torchs_int4_forward_computes_what_the_model_does_on_its_weights(model_dir, dtype, device):
     """Weights on the grid: the int4 forward's logits (rescored candidates) are the model's own for the root and for a
     drafted token after it, but for bf16 rounding; its K/V land in the slots after the committed ones."""
-    lm = _on_grid(load_model(str(model_dir), dtype=dtype))
+    lm = _on_grid(load_model(str(model_dir), dtype=dtype, device=device))
     runner = ModelRunner(lm, max_rows=16)
     runner.reset(64)
-    runner.prefill(torch.tensor(PROMPT), 8)
+    runner.prefill(torch.tensor(PROMPT, device=device), 8)
     fwd = TorchForward.of(runner.decoder)
+    assert fwd.bits == 4 and fwd.device.type == device
     n = runner.cache.length
     fwd.begin([runner.cache], [n], 2)
     every = ([None], [1.0], [1e9])  # every token a candidate
     draft = [fwd.logits(0, [65], *every)[0], fwd.logits(1, [66], *every)[0]]
     drafted_k = runner.cache.k[:, :, n : n + 2].float().clone()
-    hidden = runner.forward(torch.tensor([65, 66]), torch.tensor([n, n + 1]), torch.ones((2, 2), dtype=torch.bool).tril_())
+    hidden = runner.forward(torch.tensor([65, 66], device=device), torch.tensor([n, n + 1], device=device),
+                            torch.ones((2, 2), dtype=torch.bool, device=device).tril_())
     ref = runner.logits(hidden)
     for got, want in zip(draft, ref):
         assert (got - want).abs().max() <= 0.05 * want.abs().max()

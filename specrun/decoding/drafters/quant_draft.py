@@ -102,15 +102,18 @@ class KernelForward:
 
 def quantized(decoder) -> KernelForward | TorchForward | None:
     """The 4-bit draft forward of a FusedDecoder, built once per decoder: our kernels where they take it, else torch's
-    int4 kernels (any CPU); None where neither takes it. compiled_draft makes torch's one graph a token."""
+    int4 kernels (any CPU, CUDA GPUs of compute capability 8.0+); None where neither takes it. compiled_draft makes
+    torch's CPU draft one graph a token."""
     if not hasattr(decoder, "_specrun_q4"):
         decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
     return decoder._specrun_q4
 
 
 def compilable(forward) -> bool:
-    """Whether forward is torch's eager 4-bit draft whose compile has not failed: what compiled_draft compiles."""
-    return isinstance(forward, TorchForward) and not getattr(forward, "_specrun_compile_failed", False)
+    """Whether forward is torch's eager 4-bit draft on the CPU whose compile has not failed: what compiled_draft
+    compiles (its package is a CPU library; on CUDA the draft runs eager)."""
+    return isinstance(forward, TorchForward) and forward.device.type == "cpu" \
+        and not getattr(forward, "_specrun_compile_failed", False)
 
 
 def compiled_draft(forward, batched: bool = False):
@@ -176,7 +179,8 @@ def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], posit
                 return None
             return torch.stack([n > 0 for n in ns] if at is None else [n[a] > 0 for n, a in zip(ns, at)])
 
-        choice, _ = ar_choice(logits[rows], params[rows[0]], torch.tensor([positions[b] for b in rows]),
+        choice, _ = ar_choice(logits[rows], params[rows[0]], torch.tensor([positions[b] for b in rows],
+                                                                          device=logits.device),
                               lambda ns=ns: (ns[0], None), present, at)
         for b, token in zip(rows, choice.tolist()):
             out[b] = token
@@ -194,7 +198,8 @@ def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list
     thetas = [c.params.penalty if n is not None else 1.0 for c, n in zip(ctxs, counts)]
     belows = [HEAD_MARGIN + (0.0 if c.params.greedy else c.params.temperature * (
         -math.log(c.params.min_p) if c.params.min_p > 0 else GUMBEL_SPAN)) for c in ctxs]
-    tallies = [None if n is None else n.numpy() for n in counts]  # counts' memory: a tensor op a token cost ~15 us
+    # counts' memory where it is the CPU's (a tensor op a token cost ~15 us there), else the tensor itself
+    tallies = [n.numpy() if n is not None and n.device.type == "cpu" else n for n in counts]
     forward.begin([kv for kv, _ in rows], [c.position for c in ctxs], k, owners)
     chains = [[c.root] for c in ctxs]
     params = [c.params for c in ctxs]

@@ -1,6 +1,6 @@
-"""The quantized self-draft's forward on torch's own low-bit kernels, for CPUs our C kernels do not take: the target's
-linear weights in 4 bits (quant.py's grid) or 8, bf16 activations, attention over the target's KV cache (sinks and a
-window).
+"""The quantized self-draft's forward on torch's own low-bit kernels, for devices our C kernels do not take: the
+target's linear weights in 4 bits (quant.py's grid: the CPU's int4 kernel, or tinygemm on CUDA) or 8 (CPU), bf16
+activations, attention over the target's KV cache (sinks and a window).
 
 TorchForward.of(decoder) is None where torch's kernels do not take the model; else begin(caches, positions, k) once a
 draft, then logits(i, tokens, counts, thetas, belows) per depth, a row per sequence (quant_draft.KernelForward: one).
@@ -26,25 +26,59 @@ WINDOW = 4016
 BF16 = torch.bfloat16
 
 
+def int4_kernel(device: torch.device) -> bool:
+    """Whether torch has an int4 product with bf16 rows here: the CPU's, or tinygemm on a CUDA GPU of compute
+    capability 8.0 or later (its tensor-core layout)."""
+    if device.type == "cpu":
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return device.type == "cuda" and hasattr(torch.ops.aten, "_weight_int4pack_mm") \
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def int4_operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W on quant.py's grid as both of torch's int4 kernels take it, rows padded to 16: codes two a byte (element 2i in
+    the high nibble, 2i + 1 in the low: tinygemm's packer input) and each group's scale and zero, for
+    w = (q - 8) * scale + zero (both kernels' rule: zero = minimum + 8 scale).
+
+    # weight: [N, K] -> codes: [N', K / 2] uint8, scales: [K / GROUP, N', 2] bf16 (N' = N rounded up to 16)
+    """
+    n = weight.shape[0]
+    padded = weight.new_zeros((-(-n // 16) * 16, weight.shape[1]))  # the CPU kernel packs rows 16 at a time
+    padded[:n] = weight.detach()
+    q, d, low = grid(padded)  # [N', K] codes, [N', G] float16 scale and minimum
+    d32 = d.float()
+    scales = torch.stack((d32, low.float() + 8 * d32), dim=-1).transpose(0, 1).to(BF16).contiguous()
+    return ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous(), scales
+
+
+def int4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int4_operands' bytes back to one code an element. # [N, K / 2] uint8 -> [N, K] uint8"""
+    return torch.stack((codes >> 4, codes & 15), dim=-1).flatten(1)
+
+
 class Int4Linear(torch.nn.Module):
-    """y = x W^T (+ b) with W on quant.py's grid, packed for torch's CPU int4 kernel (bf16 activations)."""
+    """y = x W^T (+ b) with W on quant.py's grid, packed for torch's int4 kernel of its device (bf16 activations): the
+    CPU's, or tinygemm on CUDA (its k-tiles packed 8, 4 or 2 deep, whichever divides the inputs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.n = weight.shape[0]
-        padded = weight.new_zeros((-(-self.n // 16) * 16, weight.shape[1]))  # the kernel packs rows 16 at a time
-        padded[: self.n] = weight.detach()
-        q, d, low = grid(padded)  # [N', K] codes, [N', G] float16 scale and minimum
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-        d32 = d.float()
-        # torch's kernel reads w = (q - 8) * scale + zero: zero = m + 8 d
-        self.register_buffer("scales", torch.stack((d32, low.float() + 8 * d32), dim=-1).transpose(0, 1).to(BF16)
-                             .contiguous())  # [G, N, 2]
+        codes, scales = int4_operands(weight)
+        if weight.device.type == "cuda":
+            tiles = next(t for t in (8, 4, 2) if weight.shape[1] % (16 * t) == 0)  # GROUP = 32 divides the inputs
+            packed = torch.ops.aten._convert_weight_to_int4pack(codes, tiles)  # [N' / 8, K / 16t, 32, t / 2] int32
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4_codes(codes).to(torch.int32), 1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)  # [G, N', 2]
         self.register_buffer("bias", None if bias is None else bias.detach().to(BF16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """# x: [T, K] bf16 -> [T, N] bf16"""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        if self.packed.dim() == 4:  # tinygemm's layout
+            y = torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, GROUP, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         y = y if y.shape[-1] == self.n else y[:, : self.n]
         return y if self.bias is None else y + self.bias
 
@@ -119,7 +153,7 @@ def rescore(coarse: torch.Tensor, counts: list, h: torch.Tensor, rows: torch.Ten
             at = n.nonzero()[:, 0]
             v = c[b, at]
             c[b, at] = torch.where(v > 0, v / theta, v * theta)
-    keep = c >= c.amax(1, keepdim=True) - torch.tensor(belows, dtype=c.dtype)[:, None]  # [B, V]
+    keep = c >= c.amax(1, keepdim=True) - torch.tensor(belows, dtype=c.dtype, device=c.device)[:, None]  # [B, V]
     ids = keep.any(0).nonzero()[:, 0]  # [C]: a candidate of some row
     out = torch.full_like(coarse, float("-inf"))
     scores = (h.to(rows.dtype) @ rows[ids].T).float()  # [B, C]
@@ -129,16 +163,17 @@ def rescore(coarse: torch.Tensor, counts: list, h: torch.Tensor, rows: torch.Ten
 
 class TorchForward:
     """One drafted token a row through the low-bit copy: its layers in 4 bits where the model's weights sit on a 4-bit
-    grid (the copy is then nearly the model), else in 8 bits (a bf16-trained model's 4-bit copy agreed with it on ~48%
-    of drafted tokens, too few to pay); the LM head in 4 bits (it only finds candidates). Its K/V land in the target's
-    cache after the committed slots (scratch the verify overwrites)."""
+    grid (the copy is then nearly the model), else in 8 bits on the CPU (a bf16-trained model's 4-bit copy agreed with
+    it on ~48% of drafted tokens, too few to pay there; torch's CUDA int8 product is a plain loop a weight, slower than
+    the model's own bf16 one: 4 bits on CUDA); the LM head in 4 bits (it only finds candidates). Its K/V land in the
+    target's cache after the committed slots (scratch the verify overwrites)."""
 
     @classmethod
     def of(cls, dec) -> TorchForward | None:
         weights = [w for L in dec.layers for w in (L.qkv.weight, L.o.weight, L.gate_up.weight, L.down.weight)]
         head = dec.lm_head.weight
-        takes = head.device.type == "cpu" and all(quantizable(w) for w in (*weights, head)) \
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        takes = int4_kernel(head.device) and all(quantizable(w) for w in (*weights, head)) \
+            and (head.device.type != "cpu" or hasattr(torch.ops.aten, "_weight_int8pack_mm"))
         if not takes:
             return None
         try:
@@ -148,9 +183,10 @@ class TorchForward:
 
     def __init__(self, dec, bits: int | None = None):
         self.dec = dec
+        self.device = dec.lm_head.weight.device
         first = dec.layers[0]
-        self.bits = bits or (4 if on_grid([first.qkv.weight, first.o.weight, first.gate_up.weight, first.down.weight])
-                             else 8)
+        self.bits = bits or (4 if self.device.type != "cpu" or on_grid(
+            [first.qkv.weight, first.o.weight, first.gate_up.weight, first.down.weight]) else 8)
         Lin = Int4Linear if self.bits == 4 else Int8Linear
         self.layers = [_Layer(L, Lin) for L in dec.layers]
         self.norm = _Norm(dec.norm)
@@ -163,8 +199,9 @@ class TorchForward:
         """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
         [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page); owners: RingForward's."""
         self.caches = caches
-        like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16)
-        pos = torch.tensor(positions)[:, None] + torch.arange(k)  # [B, k]
+        dev = self.device
+        like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16, device=dev)
+        pos = torch.tensor(positions, device=dev)[:, None] + torch.arange(k, device=dev)  # [B, k]
         cos, sin = self.dec.rotary(like, pos)  # [B, k, D] each
         self.cos, self.sin = cos[:, :, None, :].to(BF16), sin[:, :, None, :].to(BF16)  # [B, k, 1, D]
 
@@ -176,11 +213,11 @@ class TorchForward:
         """
         dec, B = self.dec, len(tokens)
         nq, nkv, D = dec.n_q, dec.n_kv, dec.head_dim
-        x = dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
+        x = dec.embed(torch.tensor(tokens, device=self.device)).to(BF16)  # [B, H]
         cos, sin = self.cos[:, i], self.sin[:, i]  # [B, 1, D]
         for j, L in enumerate(self.layers):
             qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
-            out = torch.empty((B, nq, D), dtype=BF16)
+            out = torch.empty((B, nq, D), dtype=BF16, device=self.device)
             for b, cache in enumerate(self.caches):
                 slot = cache.length + i
                 cache.k[j, :, slot] = qk[b, nq:]
