@@ -44,6 +44,10 @@ def test_a_package_is_named_by_its_weights_rows_keys_threads_and_host(model_dir,
         assert ring_package.package_name(graph, 1, 4096) != name
     finally:
         torch.set_num_threads(threads)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # the same CPU, inductor's instructions narrowed
+    assert ring_package.package_name(graph, 1, 4096) != name
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert ring_package.package_name(graph, 1, 4096) == name
     monkeypatch.setattr(ring_package, "_host", lambda: "flags : fpu sse sse2 avx2")  # another CPU
     assert ring_package.package_name(graph, 1, 4096) != name
 

@@ -35,13 +35,15 @@ SOURCES = ("quant_ring.py", "quant_torch.py", "../forward/decoder.py", "../forwa
 
 def _host() -> str:
     """The CPU's features, which inductor compiles for (a package built for AVX-512 must not load on AVX2): Linux's
-    flags line, else what the platform and ATen's dispatch say."""
+    flags line, else what the platform and ATen's dispatch say; and ATen's capability where set (ATEN_CPU_CAPABILITY
+    narrows the instructions inductor and ATen use on the same CPU)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.strip() for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return flags or f"{platform.machine()} {platform.processor()} {torch.backends.cpu.get_cpu_capability()}"
+    flags = flags or f"{platform.machine()} {platform.processor()} {torch.backends.cpu.get_cpu_capability()}"
+    return f"{flags}\0{os.environ.get('ATEN_CPU_CAPABILITY', '')}"
 
 
 def _weights_digest(h, graph: torch.nn.Module) -> None:
