@@ -48,10 +48,11 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="ERROR")
-    if address:
-        _probe(address, connect_timeout_s)
-        ray.init(address=address, **kwargs)
-    else:
+    with _ours_after_ray():
+        if address:
+            _probe(address, connect_timeout_s)
+            ray.init(address=address, **kwargs)
+            return True
         path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
         main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
         old = signal.signal(signal.SIGHUP, signal.SIG_IGN) if main else None
@@ -67,10 +68,33 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
         finally:
             if main:
                 signal.signal(signal.SIGHUP, old)
-        from specrun.actors.reaper import start_reaper
+    from specrun.actors.reaper import start_reaper
 
-        start_reaper()  # a SIGKILLed driver leaves no Ray process behind
+    start_reaper()  # a SIGKILLed driver leaves no Ray process behind
     return True
+
+
+class _ours_after_ray:
+    """ray.init puts in its own SIGTERM handler (sys.exit(15)): the caller's comes back once it returns, and a SIGTERM
+    that Ray's caught while it started is shut down (what Ray started so far) and sent again to the caller's handler,
+    so that it takes the driver's clean stop (the run recorded, exit status 143) instead of a bare exit."""
+
+    def __enter__(self):
+        self.main = threading.current_thread() is threading.main_thread()
+        self.old = signal.getsignal(signal.SIGTERM) if self.main else None
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if not self.main:
+            return False
+        signal.signal(signal.SIGTERM, self.old)
+        if kind is SystemExit and e.code == signal.SIGTERM and callable(self.old):
+            import ray
+
+            ray.shutdown()
+            signal.raise_signal(signal.SIGTERM)  # the caller's handler runs now (stop_on_signals raises)
+            raise KeyboardInterrupt  # a handler that only took note: Ray is stopped, the run cannot go on
+        return False
 
 
 def start_worker(spec: WorkerSpec, slot: int, gpus_per_actor: float):

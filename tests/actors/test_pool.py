@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import sys
 import time
 
 import pytest
 
-from specrun.actors.pool import _probe
+from specrun.actors.pool import _ours_after_ray, _probe
+from specrun.jobs.interrupts import stop_on_signals
 
 
 def test_unreachable_ray_address_fails_fast_with_the_address():
@@ -35,3 +39,20 @@ def test_a_cluster_left_by_ray_start_is_named_not_a_traceback(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConnectionError, match="--address auto"):
         init_ray(None, num_cpus=2)
+
+
+def test_a_sigterm_while_ray_starts_takes_the_drivers_clean_stop():
+    """ray.init puts in a SIGTERM handler that exits (sys.exit(15), no message, no run recorded): the driver's own
+    handler is back once it returns, and a SIGTERM Ray's caught is sent again to it (stop_on_signals: "stopped by
+    SIGTERM", exit status 143)."""
+    with pytest.raises(KeyboardInterrupt), stop_on_signals() as stopped:
+        ours = signal.getsignal(signal.SIGTERM)
+        with _ours_after_ray():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init does
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.signum == signal.SIGTERM
+    with stop_on_signals():
+        ours = signal.getsignal(signal.SIGTERM)
+        with _ours_after_ray():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        assert signal.getsignal(signal.SIGTERM) is ours  # a SIGTERM after ray.init reaches the driver's handler
