@@ -4,6 +4,7 @@ stream(prompt) -> Deltas as tokens are accepted. Tokens equal `specrun generate`
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ def drafting_config(drafting: EngineConfig | str | None) -> EngineConfig:
     of drafter names (--draft's values)."""
     if isinstance(drafting, EngineConfig):
         return drafting
+    if drafting is not None and not isinstance(drafting, str):
+        raise ConfigError(f"drafting must be an EngineConfig, 'auto', 'none' or a comma list of drafters, got "
+                          f"{type(drafting).__name__}")
+    if drafting is not None and not drafting.strip(" ,"):
+        raise ConfigError(f"drafting={drafting!r} names no drafter: 'none' is plain AR, 'auto' the default drafters")
     names = None if drafting in (None, "auto") else tuple(n.strip() for n in drafting.split(",") if n.strip()
                                                           and n.strip() != "none")
     try:
@@ -110,6 +116,12 @@ class LLM:
     def __init__(self, model: str = "demo", *, dtype: str = "auto", device: str = "cpu",
                  drafting: EngineConfig | str | None = None, trust_remote_code: bool = False,
                  max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto", rope_scaling: str | None = None):
+        if not isinstance(model, (str, os.PathLike)):
+            raise ModelError(f"model must be a directory path, 'smollm2' or 'demo', got {type(model).__name__}")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ConfigError(f"max_concurrency={max_concurrency!r} must be an integer >= 1")
+        if chat not in (True, False, "auto"):
+            raise ConfigError(f"chat={chat!r} must be True, False or 'auto'")
         self.config = drafting_config(drafting)
         self.lm = load_lm(model, dtype, device, trust_remote_code, rope_scaling)
         # an instruct model answers a request sent as a user message; raw text it may just end (smollm2: EOS at once)
@@ -171,13 +183,18 @@ class LLM:
         return self._engine
 
     def _requests(self, prompts, sampling) -> list[tuple[list[int], SamplingParams, str | None]]:
+        from specrun.jobs.inputs import check_unicode
         from specrun.models.prompts import kind_of
 
         if isinstance(prompts, (str, dict)) or _one_prompt(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):  # bytes or a number would be taken apart as a sequence
+            raise PromptError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         params = [sampling] * len(prompts) if sampling is None or isinstance(sampling, SamplingParams) \
-            else list(sampling)
+            else list(sampling) if isinstance(sampling, (list, tuple)) else None
+        if params is None or not all(p is None or isinstance(p, SamplingParams) for p in params):
+            raise ConfigError(f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}")
         if len(params) != len(prompts):
             raise PromptError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         out = []
@@ -185,11 +202,18 @@ class LLM:
         where = "prompt {}: " if len(prompts) > 1 else ""
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p = p if p is not None else SamplingParams()
+            if p not in v:
+                v[p] = self._validator(p)
+                try:
+                    v[p].check_vocab("stop_token_ids", p.stop_token_ids)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
             try:  # a bare prompt is the line {kind: prompt, seed: its params' seed}: the same checks, and p as is
                 if self.chat and isinstance(prompt, str):
                     prompt = [{"role": "user", "content": prompt}]
                 line = prompt if isinstance(prompt, dict) else {kind_of(prompt): prompt, "seed": p.seed}
-                rec = (v.get(p) or v.setdefault(p, self._validator(p))).record(line, i + 1)
+                check_unicode(line)  # a file's lines are checked as read; a lone surrogate fails in the tokenizer
+                rec = v[p].record(line, i + 1)
             except ValueError as e:
                 raise PromptError(f"{where.format(i)}{e}") from None
             out.append((list(rec.input_ids), rec.params, rec.id if isinstance(prompt, dict) else None))

@@ -64,6 +64,16 @@ def encode_prompt(lm, text: str, chat: bool) -> list[int]:
         raise click.ClickException(str(e)) from e
 
 
+def _read_prompt(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise click.BadParameter(f"{str(path)!r} is not valid UTF-8 (byte 0x{data[e.start]:02x} on line {line})",
+                                 param_hint="--prompt-file") from None
+
+
 chat_option = click.option("--chat", is_flag=True,
                            help="Send the prompt as a user message through the model's chat template (instruct models).")
 
@@ -93,7 +103,7 @@ def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_
     """
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    text = prompt if prompt is not None else _read_prompt(prompt_file)
     params = sampling_params_from(kw, max_tokens)
     llm = open_llm(model, dtype, device, trust_remote_code, engine_config_from(kw), kw.get("rope_scaling"))
     request = chat_prompt(llm.tokenizer, text, chat)

@@ -80,12 +80,12 @@ def _parse(data: bytes, line: int):
     except ValueError as e:  # an integer beyond Python's int-str conversion limit
         raise ValueError(f"bad JSON: {str(e).split(';')[0]}") from None
     if _SURROGATE_ESCAPE.search(s):
-        _check_unicode(obj)
+        check_unicode(obj)
     return obj
 
 
-def _check_unicode(obj) -> None:
-    """Name a string (or field name) holding a lone surrogate, which UTF-8 and tokenizers cannot encode."""
+def check_unicode(obj) -> None:
+    """ValueError naming a string (or field name) holding a lone surrogate, which UTF-8 and tokenizers cannot encode."""
     stack = [(obj, "")]  # iterative: a line may nest as deep as json.loads goes, deeper than recursion here could
     while stack:
         value, where = stack.pop()

@@ -108,6 +108,25 @@ def test_errors_are_specrun_errors(llm):
         specrun.LLM("demo", drafting="bogus")
 
 
+@pytest.mark.parametrize("call, error, fault", [
+    (lambda llm: specrun.LLM(123), specrun.ModelError, "model must be a directory path"),
+    (lambda llm: specrun.LLM("demo", drafting=5), specrun.ConfigError, "drafting must be an EngineConfig"),
+    (lambda llm: specrun.LLM("demo", max_concurrency=0), specrun.ConfigError, "max_concurrency=0"),
+    (lambda llm: specrun.LLM("demo", chat="maybe"), specrun.ConfigError, "chat='maybe'"),
+    (lambda llm: llm.generate(None), specrun.PromptError, "got NoneType"),
+    (lambda llm: llm.generate(b"bytes"), specrun.PromptError, "got bytes"),
+    (lambda llm: llm.generate("a", {"max_tokens": 4}), specrun.ConfigError, "must be a SamplingParams"),
+    (lambda llm: llm.generate("\ud800"), specrun.PromptError, "lone surrogate"),
+    (lambda llm: llm.generate("a", specrun.SamplingParams(stop_token_ids=(10**6,))), specrun.ConfigError,
+     "stop_token_ids holds 1000000"),
+    (lambda llm: specrun.SamplingParams(max_tokens=2.5), specrun.ConfigError, "must be an integer"),
+])
+def test_a_value_of_the_wrong_kind_is_a_specrun_error_where_it_is_given(llm, call, error, fault):
+    """Not a TypeError from deep inside (a float max_tokens in torch.zeros, a dict for sampling read as one)."""
+    with pytest.raises(error, match=fault):
+        call(llm)
+
+
 def test_demo_warns(specrun_cache):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -15,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from specrun.decoding.verify.sampling import FEW_PAIRS, SamplingParams, choose, gumbel_at, gumbel_noise, process_logits
+from specrun.errors import ConfigError
 
 
 def test_noise_is_a_pure_function_of_seed_position_token():
@@ -127,8 +129,27 @@ def test_sampler_matches_processed_distribution(penalty):
     ({"max_tokens": 2**40}, "max_tokens"), ({"seed": -1}, "seed"),
 ])
 def test_params_refuse_values_that_would_break_sampling(kw, fault):
-    with pytest.raises(ValueError, match=fault):
+    with pytest.raises(ConfigError, match=fault):  # a SpecrunError (the API's family), and a ValueError
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, fault", [
+    ({"max_tokens": 2.5}, "max_tokens=2.5 must be an integer"), ({"max_tokens": True}, "max_tokens=True must be an"),
+    ({"penalty_window": 1.5}, "penalty_window=1.5 must be"), ({"seed": "1"}, "seed='1' must be an integer"),
+    ({"temperature": "hot"}, "temperature='hot' must be a finite number"), ({"top_p": None}, "top_p=None"),
+    ({"ignore_eos": "no"}, "ignore_eos='no' must be True or False"), ({"stop": None}, "stop must be a string"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"), ({"stop": ["ok", "\udcff"]}, "lone surrogate .* stop.1"),
+])
+def test_params_refuse_a_value_of_the_wrong_type_naming_it(kw, fault):
+    """Caught where the value is given, not deep in a generation (a float max_tokens failed in torch.zeros, a string
+    ignore_eos counted as True); a command line's undecodable bytes in a stop string, before any job is written."""
+    with pytest.raises(ConfigError, match=fault):
+        SamplingParams(**kw)
+
+
+def test_params_take_numpys_numbers_as_pythons():
+    p = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5))
+    assert type(p.max_tokens) is int and type(p.temperature) is float and p.max_tokens == 5
 
 
 @pytest.mark.parametrize("kw", [{"min_p": 0.2}, {"top_k": 3}, {}, {"top_p": 0.5}])

@@ -6,6 +6,7 @@ Noise depends only on (seed, absolute position, token id), so every trie node at
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -13,6 +14,7 @@ import torch
 
 from specrun.decoding.kernels.cpu_kernels import Patches, argmax_rows, cpu_kernels, row_kernels
 from specrun.decoding.verify.stops import check_stop_token_ids, check_stops
+from specrun.errors import ConfigError
 
 _M32 = 0xFFFFFFFF
 MAX_INT = 2**31 - 1  # counts and windows beyond any context; larger values overflow int32/int64 tensor arguments
@@ -36,11 +38,21 @@ class SamplingParams:
 
     def __post_init__(self):
         # frozen, and rebuilt from JSON (lists) by the job directory and the worker's task: normalise to tuples
-        object.__setattr__(self, "stop", check_stops(self.stop))
-        object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
-        for f in fields(self):
-            if f.type in ("float", float) and not math.isfinite(getattr(self, f.name)):
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be a finite number")
+        try:
+            object.__setattr__(self, "stop", check_stops(self.stop))
+            object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for f in fields(self):  # a value of the wrong type fails here, not deep in a generation
+            v, kind = getattr(self, f.name), f.type if isinstance(f.type, str) else f.type.__name__
+            if kind == "bool" and not isinstance(v, bool):
+                raise ConfigError(f"{f.name}={v!r} must be True or False")
+            if kind == "int" and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise ConfigError(f"{f.name}={v!r} must be an integer")
+            if kind == "float" and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
+                raise ConfigError(f"{f.name}={v!r} must be a finite number")
+            if kind in ("int", "float") and type(v) not in (int, float):  # numpy's scalars: JSON takes Python's
+                object.__setattr__(self, f.name, int(v) if kind == "int" else float(v))
         checks = [
             ("max_tokens", 1 <= self.max_tokens <= MAX_INT, f"must be in [1, {MAX_INT}]"),
             ("temperature", self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
@@ -55,7 +67,7 @@ class SamplingParams:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+                raise ConfigError(f"{name}={getattr(self, name)!r} {why}")
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,10 @@ def check_stops(stop) -> tuple[str, ...]:
             raise ValueError(f"{where} is {len(s)} characters long: at most {MAX_STOP_CHARS}")
         if REPLACEMENT in s:
             raise ValueError(f"{where} holds U+FFFD (the replacement character, which stands for undecodable bytes)")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:  # a command line's undecodable bytes (surrogate escapes) or a lone surrogate
+            raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
     return tuple(stop)
 
 
