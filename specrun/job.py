@@ -5,6 +5,7 @@ thin layer over these). A run blocks in this process; failed prompts are recorde
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 import warnings
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
-from specrun.errors import ConfigError, ModelError, SpecrunError
+from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.parquet_in import Columns
 from specrun.jobs.runopts import RunOptions, RunSummary
@@ -101,6 +102,10 @@ def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPar
     from specrun.llm import DEMO_NOTICE, drafting_config
     from specrun.models.loader import resolve_dtype
 
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(prompts, (str, os.PathLike, list, tuple)):
+        raise PromptError(f"prompts must be a prompts file's path or a list of prompts, got {type(prompts).__name__}")
     try:
         info = model_info(model, trust_remote_code, rope_scaling)
         dtype = resolve_dtype(dtype, model, device)  # stored resolved: a resume computes in the same dtype anywhere
@@ -166,6 +171,10 @@ def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPara
     prompts and settings again resumes the job."""
     from specrun.llm import drafting_config
 
+    try:  # the run's options checked before the job is written
+        RunOptions(**run_options)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
     job = prepare(prompts, job_dir, model=model, sampling=sampling, drafting=drafting, dtype=dtype, device=device,
                   trust_remote_code=trust_remote_code, checkpoint_every=checkpoint_every,
                   checkpoint_seconds=checkpoint_seconds, columns=columns, rope_scaling=rope_scaling)

@@ -114,8 +114,11 @@ def parse_draft(value: str) -> tuple[str, ...] | None:
     value = value.strip()
     if value == "auto":
         return None
-    if value in ("", "none"):
+    if value == "none":
         return ()
+    if not value.strip(","):
+        raise click.BadParameter(f"{value!r} names no drafter: 'none' is plain AR, 'auto' the default drafters",
+                                 param_hint="--draft")
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 

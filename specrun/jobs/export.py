@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -20,6 +21,7 @@ from specrun.jobs.jobdir import JobDir
 from specrun.jobs.openai_out import OpenAIBatchLines
 from specrun.jobs.printable import printable
 from specrun.storage.atomic import atomic_path
+from specrun.storage.fs import job_path
 from specrun.storage.outputs import is_foreign
 from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import OUTPUT
@@ -52,12 +54,28 @@ def _lines(batches, fmt: str, openai: OpenAIBatchLines | None = None):
                 yield json.dumps(r, ensure_ascii=False) + "\n"
 
 
+def _check_output(job: JobDir, out: str) -> None:
+    """-o names a file outside the job (over its manifest or outputs the job could never be read again), in a folder
+    that exists (a mistyped path makes no folders)."""
+    target = job_path(out)
+    if str(target).rstrip("/").startswith(str(job.root).rstrip("/") + "/") or (
+            isinstance(target, Path) and isinstance(job.root, Path)
+            and target.resolve().is_relative_to(job.root.resolve())):
+        raise ValueError(f"-o {out} is inside the job {job.root}, over files of its own: write it elsewhere")
+    if isinstance(target, Path) and target.is_dir():
+        raise ValueError(f"-o {out} is a folder: give a file name")
+    if isinstance(target, Path) and not target.resolve().parent.is_dir():
+        raise ValueError(f"-o {out}: the folder {target.parent} does not exist")
+
+
 def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
     """Write the rows to `out` ('-' or None = stdout but for parquet); returns (rows written, prompts missing)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
     if fmt == "parquet" and out in (None, "-"):
         raise ValueError("--format parquet needs -o FILE")
+    if out not in (None, "-"):
+        _check_output(job, out)
     n_prompts = len(job.prompt_ids())
     openai = OpenAIBatchLines(job) if fmt == "openai" else None
     problems: list[str] = []

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from specrun import __version__
+from specrun.decoding.drafters.heads import read_heads_config
+from specrun.decoding.drafters.recurrent_files import any_builtin_drafter
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.inputs import read_prompts
@@ -22,7 +24,30 @@ from specrun.storage.schemas import SCHEMA_VERSION
 
 
 def default_job_dir(prompts_path: str | Path) -> Path:
-    return Path("specrun-jobs") / Path(prompts_path).stem
+    """specrun-jobs/STEM of a prompts file; a pipe's name (/dev/fd/63) says nothing of what it held: ValueError."""
+    path = Path(prompts_path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{str(path)!r} is not a file (a pipe?): its name does not name its job, give --job-dir")
+    return Path("specrun-jobs") / path.stem
+
+
+def check_names(*paths: str | Path) -> None:
+    """Paths that Ray and the job files take as text: a name of undecodable bytes (surrogate escapes) cannot go."""
+    for path in paths:
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{str(path)!r} is not valid UTF-8 (a name in another encoding): rename it") from None
+
+
+def check_drafting(engine: EngineConfig) -> None:
+    """What a worker would refuse of the drafting settings whatever the model, refused before the job is written:
+    heads asked without --heads, heads without their files, a recurrent drafter asked where none is given or ships."""
+    have_heads = engine.heads_path is not None
+    if have_heads:
+        read_heads_config(engine.heads_path)  # ValueError naming the missing file
+    have_drafter = engine.drafter_path is not None and (engine.drafter_path != "auto" or any_builtin_drafter())
+    engine.active_drafters(have_heads, have_drafter, can_quantize=True)  # the 4-bit copy: the model decides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +82,8 @@ def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, 
     """-> (job, created). Raises InputError (bad lines) or JobError (existing job differs) before writing anything.
     columns: a Parquet input's (parquet_in.Columns)."""
     prompts_path = Path(prompts_path)
+    check_names(prompts_path, job_dir)
+    check_drafting(engine)
     records, input_sha = read_prompts(prompts_path, info.tokenizer, info.max_context, info.vocab_size, params,
                                       columns=columns)
     manifest = build_manifest(prompts_path, input_sha, len(records), info, settings, params, engine)

@@ -62,6 +62,11 @@ def _read_config(d: Path) -> dict:
     return meta
 
 
+def any_builtin_drafter() -> bool:
+    """Whether a drafter ships for some model (builtin_drafter finds the one for a model)."""
+    return BUILTIN_DIR.is_dir() and any((p / CONFIG_FILE).is_file() for p in BUILTIN_DIR.iterdir())
+
+
 def builtin_drafter(lm) -> Path | None:
     """The shipped drafter directory made for this model, or None."""
     if not BUILTIN_DIR.is_dir():

@@ -1,0 +1,88 @@
+"""Inputs that cannot work are refused before anything is written or started, naming the fault: drafting settings a
+worker would refuse, names of undecodable bytes, a pipe without --job-dir, an export over the job's own files, and
+`specrun generate`'s prompt file and stop tokens (one error line, never an internal error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from specrun.cli import main
+from tests.cli.test_jobs_cli import model  # noqa: F401 (a fixture)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": "Once upon a time"}) + "\n")
+    return p
+
+
+def _run(args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _refused(res, fault: str) -> None:
+    assert res.exit_code in (1, 2), res.output
+    assert fault in res.output and "internal error" not in res.output, res.output
+
+
+@pytest.mark.parametrize("flags, fault", [
+    (["--draft", "heads"], "drafter 'heads' needs trained draft heads"),
+    (["--draft", "fused,ngram"], "drafter 'fused' needs trained draft heads"),
+    (["--heads", "{empty}"], "has no heads.json"),
+    (["--draft", "recurrent", "--drafter", "none"], "--drafter none was given"),
+    (["--draft", ""], "names no drafter"),
+    (["--stop", "end\udcff"], "lone surrogate"),
+])
+def test_submit_refuses_settings_a_worker_would_refuse_before_writing_the_job(model, prompts, tmp_path,  # noqa: F811
+                                                                                 flags, fault):
+    (tmp_path / "empty").mkdir()
+    job = tmp_path / "job"
+    flags = [f.format(empty=tmp_path / "empty") for f in flags]
+    _refused(_run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q", *flags]), fault)
+    assert not job.exists()
+
+
+def test_submit_refuses_a_name_of_undecodable_bytes_and_a_pipe_without_job_dir(model, prompts,  # noqa: F811
+                                                                               tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    latin = os.fsdecode(b"caf\xe9.jsonl")  # a Latin-1 name: its byte 0xe9 a surrogate escape
+    (tmp_path / latin).write_bytes(prompts.read_bytes())
+    _refused(_run(["submit", latin, "--model", model, "--max-tokens", "4", "-q"]), "is not valid UTF-8")
+    r, w = os.pipe()
+    try:
+        os.write(w, prompts.read_bytes())
+        os.close(w)
+        _refused(_run(["submit", f"/dev/fd/{r}", "--model", model, "--max-tokens", "4", "-q"]), "give --job-dir")
+    finally:
+        os.close(r)
+    assert not (tmp_path / "specrun-jobs").exists()
+
+
+def test_export_refuses_the_jobs_own_files_and_missing_folders(model, prompts, tmp_path):  # noqa: F811
+    job = tmp_path / "job"
+    res = _run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q", "--draft", "none"])
+    assert res.exit_code == 0, res.output
+    manifest = (job / "job.json").read_bytes()
+    for out in (job / "job.json", job, job / "outputs" / "x.jsonl"):
+        _refused(_run(["export", job, "-o", out]), "is inside the job")
+    _refused(_run(["export", job, "-o", tmp_path / "no" / "such" / "x.jsonl"]), "does not exist")
+    assert (job / "job.json").read_bytes() == manifest and not (tmp_path / "no").exists()
+    res = _run(["export", job, "-o", tmp_path / "out.jsonl"])
+    assert res.exit_code == 0 and json.loads((tmp_path / "out.jsonl").read_text())["id"] == "a"
+
+
+def test_generate_names_a_prompt_file_of_bad_utf8_and_a_stop_token_past_the_vocabulary(model, tmp_path):  # noqa: F811
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"hello\n\xff there")
+    _refused(_run(["generate", "--model", model, "--prompt-file", bad, "--max-tokens", "2"]),
+             "is not valid UTF-8 (byte 0xff on line 2)")
+    _refused(_run(["generate", "--model", model, "--prompt", "hi", "--max-tokens", "2", "--stop-token-id", "99999"]),
+             "stop_token_ids holds 99999")
+    _refused(_run(["generate", "--model", model, "--prompt", "\udced\udca0\udc80", "--max-tokens", "2"]),
+             "lone surrogate")
