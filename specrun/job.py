@@ -137,8 +137,8 @@ class _prompts_file:
         self.prompts, self.tmp = prompts, None
 
     def __enter__(self) -> Path:
-        if isinstance(self.prompts, (str, Path)):
-            return Path(self.prompts)
+        if isinstance(self.prompts, (str, os.PathLike)):
+            return Path(os.fspath(self.prompts))
         from specrun.models.prompts import kind_of
 
         lines = [p if isinstance(p, dict) else {kind_of(p): p} for p in self.prompts]
@@ -171,8 +171,8 @@ def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPara
     prompts and settings again resumes the job."""
     from specrun.llm import drafting_config
 
-    try:  # the run's options checked before the job is written
-        RunOptions(**run_options)
+    try:  # the run's options checked before the job is written (Job.run's own keywords aside)
+        RunOptions(**{k: v for k, v in run_options.items() if k not in ("options", "view")})
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     job = prepare(prompts, job_dir, model=model, sampling=sampling, drafting=drafting, dtype=dtype, device=device,

@@ -4,9 +4,10 @@ stream(prompt) -> Deltas as tokens are accepted. Tokens equal `specrun generate`
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specrun.decoding.engine import EngineConfig
@@ -118,8 +119,10 @@ class LLM:
                  max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto", rope_scaling: str | None = None):
         if not isinstance(model, (str, os.PathLike)):
             raise ModelError(f"model must be a directory path, 'smollm2' or 'demo', got {type(model).__name__}")
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, numbers.Integral) \
+                or max_concurrency < 1:
             raise ConfigError(f"max_concurrency={max_concurrency!r} must be an integer >= 1")
+        max_concurrency = int(max_concurrency)
         if chat not in (True, False, "auto"):
             raise ConfigError(f"chat={chat!r} must be True, False or 'auto'")
         self.config = drafting_config(drafting)
@@ -188,7 +191,7 @@ class LLM:
 
         if isinstance(prompts, (str, dict)) or _one_prompt(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):  # bytes or a number would be taken apart as a sequence
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):  # not taken apart
             raise PromptError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         params = [sampling] * len(prompts) if sampling is None or isinstance(sampling, SamplingParams) \

@@ -77,7 +77,7 @@ def draft_window_bytes(lm, config, need: int) -> int:
     from specrun.decoding.drafters.quant_draft import KernelForward, quantized
     from specrun.decoding.forward.decoder import FusedDecoder
 
-    if not config.wants_quant or lm.device.type != "cpu":  # our kernels' draft is the CPU's (no copy built elsewhere)
+    if not config.wants_quant or lm.device.type != "cpu":  # a window is our kernels' draft's, and they are the CPU's
         return 0
     dec = FusedDecoder.of(lm.model)
     if not isinstance(quantized(dec), KernelForward):

@@ -85,7 +85,7 @@ class _ours_after_ray:
         return self
 
     def __exit__(self, kind, e, tb):
-        if not self.main:
+        if not self.main or self.old is None:  # None: a handler put in from C, which Python cannot put back
             return False
         signal.signal(signal.SIGTERM, self.old)
         if kind is SystemExit and e.code == signal.SIGTERM and callable(self.old):

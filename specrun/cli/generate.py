@@ -65,10 +65,10 @@ def encode_prompt(lm, text: str, chat: bool) -> list[int]:
 
 
 def _read_prompt(path: Path) -> str:
-    data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return path.read_text(encoding="utf-8")  # universal newlines, as ever: a CRLF file's tokens unchanged
     except UnicodeDecodeError as e:
+        data = path.read_bytes()
         line = data.count(b"\n", 0, e.start) + 1
         raise click.BadParameter(f"{str(path)!r} is not valid UTF-8 (byte 0x{data[e.start]:02x} on line {line})",
                                  param_hint="--prompt-file") from None

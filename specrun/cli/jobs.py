@@ -106,9 +106,9 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     Each line has one of "prompt", "messages" or "input_ids", an optional "id" and optional overrides
     (max_tokens, seed, temperature, top_k, top_p, min_p, penalty, penalty_window, stop, stop_token_ids); OpenAI batch lines
     (custom_id, method POST, url, body) work too, and a body field we do not implement is refused by name.
-    PROMPTS is read once, so a pipe works (<(zcat p.jsonl.gz)). A Parquet file (an HF dataset's) is read by row
-    groups, each row a line of its --prompt-column (or --messages-column) and --id-column. The whole file is checked first; nothing
-    starts if any line is bad. Submitting again with the same input, model, dtype, sampling flags and attention
+    PROMPTS is read once, so a pipe works with --job-dir (<(zcat p.jsonl.gz)). A Parquet file (an HF dataset's) is
+    read by row groups, each row a line of its --prompt-column (or --messages-column) and --id-column. The whole file
+    is checked first; nothing starts if any line is bad. Submitting again with the same input, model, dtype, sampling flags and attention
     backend resumes the job; device, drafting, checkpoint and Ray flags may change (each run is recorded).
 
     \b

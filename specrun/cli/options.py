@@ -116,7 +116,7 @@ def parse_draft(value: str) -> tuple[str, ...] | None:
         return None
     if value == "none":
         return ()
-    if not value.strip(","):
+    if not value.replace(",", " ").strip():
         raise click.BadParameter(f"{value!r} names no drafter: 'none' is plain AR, 'auto' the default drafters",
                                  param_hint="--draft")
     return tuple(v.strip() for v in value.split(",") if v.strip())

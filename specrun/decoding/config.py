@@ -128,7 +128,7 @@ def resolve_drafting(config: EngineConfig, lm, heads: DraftHeads | None, solo: b
     # forward there is not measured yet: docs/gpu-check.md), so auto builds no copy of the weights there
     takes_quant = config.drafters is not None or lm.device.type == "cpu"
     can_quantize = config.wants_quant and takes_quant and quantized(dec) is not None and (
-        config.attention == "sdpa" if solo else whole_pages)
+        config.attention == "sdpa" if solo else whole_pages and lm.device.type == "cpu")
     return heads, recurrent, config.active_drafters(heads is not None, recurrent is not None, can_quantize)
 
 

@@ -12,6 +12,7 @@ output file) is skipped with a warning: `specrun resume` generates it again.
 from __future__ import annotations
 
 import json
+import posixpath
 import sys
 from pathlib import Path
 
@@ -58,10 +59,13 @@ def _check_output(job: JobDir, out: str) -> None:
     """-o names a file outside the job (over its manifest or outputs the job could never be read again), in a folder
     that exists (a mistyped path makes no folders)."""
     target = job_path(out)
-    if str(target).rstrip("/").startswith(str(job.root).rstrip("/") + "/") or (
-            isinstance(target, Path) and isinstance(job.root, Path)
-            and target.resolve().is_relative_to(job.root.resolve())):
-        raise ValueError(f"-o {out} is inside the job {job.root}, over files of its own: write it elsewhere")
+    if isinstance(target, Path) and isinstance(job.root, Path):
+        inside = target.resolve().is_relative_to(job.root.resolve())
+    else:
+        inside = posixpath.normpath(str(target)).startswith(posixpath.normpath(str(job.root)).rstrip("/") + "/")
+    if inside:
+        raise ValueError(f"-o {out} is inside the job {job.root}, whose folder holds the job's own files: write it "
+                         f"elsewhere")
     if isinstance(target, Path) and target.is_dir():
         raise ValueError(f"-o {out} is a folder: give a file name")
     if isinstance(target, Path) and not target.resolve().parent.is_dir():

@@ -41,16 +41,20 @@ def test_a_cluster_left_by_ray_start_is_named_not_a_traceback(monkeypatch):
         init_ray(None, num_cpus=2)
 
 
-def test_a_sigterm_while_ray_starts_takes_the_drivers_clean_stop():
+def test_a_sigterm_while_ray_starts_takes_the_drivers_clean_stop(monkeypatch):
     """ray.init puts in a SIGTERM handler that exits (sys.exit(15), no message, no run recorded): the driver's own
-    handler is back once it returns, and a SIGTERM Ray's caught is sent again to it (stop_on_signals: "stopped by
-    SIGTERM", exit status 143)."""
+    handler is back once it returns, and a SIGTERM Ray's caught is sent again to it, Ray shut down (stop_on_signals:
+    "stopped by SIGTERM", exit status 143)."""
+    import ray
+
+    shutdowns = []
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))  # no Ray here to stop, nor any other test's
     with pytest.raises(KeyboardInterrupt), stop_on_signals() as stopped:
         ours = signal.getsignal(signal.SIGTERM)
         with _ours_after_ray():
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init does
             os.kill(os.getpid(), signal.SIGTERM)
-    assert stopped.signum == signal.SIGTERM
+    assert stopped.signum == signal.SIGTERM and shutdowns == [1]
     with stop_on_signals():
         ours = signal.getsignal(signal.SIGTERM)
         with _ours_after_ray():

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -125,6 +126,12 @@ def test_a_value_of_the_wrong_kind_is_a_specrun_error_where_it_is_given(llm, cal
     """Not a TypeError from deep inside (a float max_tokens in torch.zeros, a dict for sampling read as one)."""
     with pytest.raises(error, match=fault):
         call(llm)
+
+
+def test_numpys_numbers_and_any_iterable_of_prompts_are_taken(llm, params):
+    want = llm.generate(["a", "b"], params)
+    assert [o.token_ids for o in llm.generate((p for p in ["a", "b"]), params)] == [o.token_ids for o in want]
+    assert specrun.LLM("demo", max_concurrency=np.int64(2)).max_concurrency == 2
 
 
 def test_demo_warns(specrun_cache):

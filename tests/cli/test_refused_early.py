@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from specrun.cli import main
+from specrun.cli.generate import _read_prompt
 from tests.cli.test_jobs_cli import model  # noqa: F401 (a fixture)
 
 
@@ -36,7 +37,7 @@ def _refused(res, fault: str) -> None:
     (["--draft", "fused,ngram"], "drafter 'fused' needs trained draft heads"),
     (["--heads", "{empty}"], "has no heads.json"),
     (["--draft", "recurrent", "--drafter", "none"], "--drafter none was given"),
-    (["--draft", ""], "names no drafter"),
+    (["--draft", ""], "names no drafter"), (["--draft", " , "], "names no drafter"),
     (["--stop", "end\udcff"], "lone surrogate"),
 ])
 def test_submit_refuses_settings_a_worker_would_refuse_before_writing_the_job(model, prompts, tmp_path,  # noqa: F811
@@ -72,6 +73,7 @@ def test_export_refuses_the_jobs_own_files_and_missing_folders(model, prompts, t
     for out in (job / "job.json", job, job / "outputs" / "x.jsonl"):
         _refused(_run(["export", job, "-o", out]), "is inside the job")
     _refused(_run(["export", job, "-o", tmp_path / "no" / "such" / "x.jsonl"]), "does not exist")
+    assert _run(["export", job, "-o", job / ".." / "beside.jsonl"]).exit_code == 0  # outside, once resolved
     assert (job / "job.json").read_bytes() == manifest and not (tmp_path / "no").exists()
     res = _run(["export", job, "-o", tmp_path / "out.jsonl"])
     assert res.exit_code == 0 and json.loads((tmp_path / "out.jsonl").read_text())["id"] == "a"
@@ -86,3 +88,6 @@ def test_generate_names_a_prompt_file_of_bad_utf8_and_a_stop_token_past_the_voca
              "stop_token_ids holds 99999")
     _refused(_run(["generate", "--model", model, "--prompt", "\udced\udca0\udc80", "--max-tokens", "2"]),
              "lone surrogate")
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"one\r\ntwo\rthree")
+    assert _read_prompt(crlf) == "one\ntwo\nthree"  # read as text, as ever: a CRLF file's prompt is the LF one's

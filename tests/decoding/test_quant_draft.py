@@ -291,6 +291,8 @@ def test_off_the_cpu_auto_builds_no_4bit_copy_and_asking_for_it_drafts(model_dir
     assert "quant" not in resolve_drafting(EngineConfig(), elsewhere, None)[2]
     assert not hasattr(dec, "_specrun_q4")
     assert "quant" in resolve_drafting(EngineConfig(drafters=("quant",)), elsewhere, None)[2]
+    with pytest.raises(ValueError, match="one KV page a sequence"):  # CUDA's pages of 16: a batch never drafts
+        resolve_drafting(EngineConfig(drafters=("quant",)), elsewhere, None, solo=False, whole_pages=True)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from tests.decoding.test_quant_draft import _on_grid, model_dir  # noqa: F401 (a
 
 
 def test_a_package_is_named_by_its_weights_rows_keys_threads_and_host(model_dir, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)  # an emulation of another CPU set by whoever runs this
     lm = _on_grid(load_model(str(model_dir), dtype="float32"))
     graph = RingForward(TorchForward.of(ModelRunner(lm, max_rows=4).decoder)).graph
     name = ring_package.package_name(graph, 1, 4096)

@@ -10,6 +10,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specrun.decoding.kernels.cpu_kernels import Patches, argmax_rows, cpu_kernels, row_kernels
@@ -45,14 +46,14 @@ class SamplingParams:
             raise ConfigError(str(e)) from None
         for f in fields(self):  # a value of the wrong type fails here, not deep in a generation
             v, kind = getattr(self, f.name), f.type if isinstance(f.type, str) else f.type.__name__
-            if kind == "bool" and not isinstance(v, bool):
+            if kind == "bool" and not isinstance(v, (bool, np.bool_)):
                 raise ConfigError(f"{f.name}={v!r} must be True or False")
             if kind == "int" and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
                 raise ConfigError(f"{f.name}={v!r} must be an integer")
             if kind == "float" and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
                 raise ConfigError(f"{f.name}={v!r} must be a finite number")
-            if kind in ("int", "float") and type(v) not in (int, float):  # numpy's scalars: JSON takes Python's
-                object.__setattr__(self, f.name, int(v) if kind == "int" else float(v))
+            if kind in ("int", "float", "bool") and type(v) not in (int, float, bool):  # numpy's: JSON takes Python's
+                object.__setattr__(self, f.name, {"int": int, "float": float, "bool": bool}[kind](v))
         checks = [
             ("max_tokens", 1 <= self.max_tokens <= MAX_INT, f"must be in [1, {MAX_INT}]"),
             ("temperature", self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE,
