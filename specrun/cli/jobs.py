@@ -69,6 +69,14 @@ def _apply(options):
     return deco
 
 
+def _check_hot_start(hot_start) -> None:
+    """--hot-start names jobs (their recycling matrices warm the workers): a folder without a job.json would warm
+    nothing and say nothing."""
+    for loc in hot_start:
+        if isinstance(loc, Path) and not (loc / "job.json").is_file():
+            raise click.BadParameter(f"{str(loc)!r} is not a specrun job (no job.json)", param_hint="--hot-start")
+
+
 def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None, **attempt) -> int:
     """attempt: this run's device, engine, checkpoint_every, checkpoint_seconds (RunOptions; None = the job's)."""
     from specrun.jobs.driver import RunOptions
@@ -123,6 +131,7 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
     from specrun.jobs.parquet_in import Columns
 
     check_detach(kw["detach"], address)
+    _check_hot_start(hot_start)
     params = sampling_params_from(kw, max_tokens)
     engine = engine_config_from(kw)
     names = (kw["prompt_column"], kw["messages_column"], kw["id_column"])
@@ -169,6 +178,7 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
     from specrun.job import reopen
 
     check_detach(kw["detach"], address)
+    _check_hot_start(hot_start)
     job, model_path = reopen(job_dir, model_path, trust_remote_code)
     if kw["detach"]:
         sys.exit(run_detached(ctx, job.dir, address, resume, model_path))

@@ -211,6 +211,12 @@ def read_prompts(path: str | Path, tokenizer, max_context: int, vocab_size: int,
     v = Validator(tokenizer, max_context, vocab_size, base)
     v.check_vocab("--stop-token-id", base.stop_token_ids)  # the job's own (a line's replaces it): once, not per line
     parquet = columns is not None or is_parquet(path)
+    if parquet and not is_parquet(path) and Path(path).is_file():  # columns given for a file of another name
+        with open(path, "rb") as f:
+            if f.read(4) != b"PAR1":
+                why = ("--prompt-column, --messages-column and --id-column read Parquet files, and this is not one "
+                       "(a JSON-lines file names its fields itself)")
+                raise InputError(str(path), [why], 1)
     unit = "row" if parquet else "line"
     problems: list[str] = []
     total_bad = 0

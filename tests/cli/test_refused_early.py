@@ -49,6 +49,16 @@ def test_submit_refuses_settings_a_worker_would_refuse_before_writing_the_job(mo
     assert not job.exists()
 
 
+def test_submit_refuses_hot_start_folders_that_are_no_jobs_and_columns_for_json_lines(model, prompts,  # noqa: F811
+                                                                                       tmp_path):
+    job = tmp_path / "job"
+    _refused(_run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q", "--hot-start",
+                   tmp_path]), "is not a specrun job (no job.json)")
+    _refused(_run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q", "--prompt-column",
+                   "text"]), "read Parquet files, and this is not one")
+    assert not job.exists()
+
+
 def test_submit_refuses_a_name_of_undecodable_bytes_and_a_pipe_without_job_dir(model, prompts,  # noqa: F811
                                                                                tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
