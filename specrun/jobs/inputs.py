@@ -24,7 +24,7 @@ from specrun.decoding.verify.sampling import SamplingParams
 from specrun.decoding.verify.stops import check_stop_token_ids, check_stops
 from specrun.errors import InputError  # also imported from here
 from specrun.jobs.openai_in import from_openai
-from specrun.models.prompts import KINDS, check_token_ids, encode, max_text_bytes
+from specrun.models.prompts import KINDS, check_text, check_token_ids, encode, max_text_bytes
 
 MAX_REPORTED = 20
 MAX_LINE_BYTES = 64 << 20  # a longer line is reported, never loaded (a binary file without newlines stays cheap)
@@ -90,20 +90,14 @@ def check_unicode(obj) -> None:
     while stack:
         value, where = stack.pop()
         if isinstance(value, str):
-            _check_text(value, where)
+            check_text(value, where)
         elif isinstance(value, dict):
             for k, v in value.items():
-                _check_text(k, f"a field name in {where or 'the line'}")
+                check_text(k, f"a field name in {where or 'the line'}")
                 stack.append((v, f"{where}.{k}" if where else k))
         elif isinstance(value, list):
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
 
-
-def _check_text(s: str, where: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
 
 
 class Validator:

@@ -11,6 +11,15 @@ _short = reprlib.Repr()
 _short.maxstring = _short.maxother = _short.maxlong = 40
 
 
+def check_text(s: str, where: str) -> None:
+    """ValueError where s holds a lone surrogate (a command line's undecodable bytes come as such), which UTF-8 and
+    tokenizers cannot encode."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
+
+
 def kind_of(prompt) -> str:
     """Which KINDS a Python value is: str -> prompt, a list of {role, content} -> messages, a list of ints ->
     input_ids. ValueError for anything else."""

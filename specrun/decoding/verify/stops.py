@@ -16,6 +16,7 @@ is seen as U+FFFD (it can miss a stop there, never invent one).
 from __future__ import annotations
 
 from specrun.models.detokenize import decode_tokens
+from specrun.models.prompts import check_text
 
 MAX_STOPS = 4  # as the OpenAI API
 MAX_STOP_CHARS = 1000  # per stop string: the tail kept and searched per token grows with it
@@ -41,10 +42,7 @@ def check_stops(stop) -> tuple[str, ...]:
             raise ValueError(f"{where} is {len(s)} characters long: at most {MAX_STOP_CHARS}")
         if REPLACEMENT in s:
             raise ValueError(f"{where} holds U+FFFD (the replacement character, which stands for undecodable bytes)")
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError as e:  # a command line's undecodable bytes (surrogate escapes) or a lone surrogate
-            raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
+        check_text(s, where)
     return tuple(stop)
 
 
