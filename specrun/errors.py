@@ -4,6 +4,8 @@ CLI prints (the CLI turns any of them into its error line and exit status 1); li
 
 from __future__ import annotations
 
+import errno
+
 
 class SpecrunError(Exception):
     """Base of specrun's errors: str(e) says what is wrong and what to do."""
@@ -28,3 +30,14 @@ class InputError(SpecrunError, ValueError):
         self.problems, self.total = problems, total
         more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
         super().__init__(f"{path}: {total} problem(s), nothing was started:\n  " + "\n  ".join(problems) + more)
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line: what failed, on which file, and what it means for the job."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    what = f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e.strerror or e}"
+    hint = {errno.ENOSPC: "free some space, then run the command again (checkpointed tokens are kept)",
+            errno.EDQUOT: "free some space, then run the command again (checkpointed tokens are kept)",
+            errno.EROFS: "the file system is read-only; `specrun status` and `specrun export` still read a job there",
+            errno.EACCES: "check the permissions", errno.EPERM: "check the permissions"}.get(e.errno)
+    return what + (f" ({hint})" if hint else "")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
-from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError
+from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError, describe_os_error
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.parquet_in import Columns
 from specrun.jobs.runopts import RunOptions, RunSummary
@@ -122,7 +122,7 @@ def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPar
         except (ValueError, OSError) as e:
             if isinstance(e, SpecrunError):
                 raise
-            raise ConfigError(str(e)) from e
+            raise ConfigError(describe_os_error(e) if isinstance(e, OSError) else str(e)) from e
     if not created:
         check_remote_code(job.manifest(), trust_remote_code, job.root)
     out = Job(job.root, created)

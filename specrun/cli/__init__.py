@@ -8,7 +8,7 @@ from __future__ import annotations
 import click
 
 from specrun import __version__
-from specrun.errors import SpecrunError
+from specrun.errors import SpecrunError, describe_os_error
 
 
 class _Main(click.Group):
@@ -34,19 +34,6 @@ class _Main(click.Group):
         except Exception as e:  # the one place that turns a bug into a report
             raise click.ClickException(f"internal error: {type(e).__name__}: {str(e)[:300]} "
                                        f"({write_traceback(e)})") from e
-
-
-def describe_os_error(e: OSError) -> str:
-    """One line: what failed, on which file, and what it means for the job."""
-    import errno
-
-    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
-    what = f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e.strerror or e}"
-    hint = {errno.ENOSPC: "free some space, then run the command again (checkpointed tokens are kept)",
-            errno.EDQUOT: "free some space, then run the command again (checkpointed tokens are kept)",
-            errno.EROFS: "the file system is read-only; `specrun status` and `specrun export` still read a job there",
-            errno.EACCES: "check the permissions", errno.EPERM: "check the permissions"}.get(e.errno)
-    return what + (f" ({hint})" if hint else "")
 
 
 def write_traceback(e: BaseException) -> str:

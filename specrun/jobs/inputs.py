@@ -72,7 +72,9 @@ def _parse(data: bytes, line: int):
     if not s.strip(" \t\r\n"):  # JSON whitespace only: a line of other invisible characters is bad JSON
         return _BLANK
     try:
-        obj = json.loads(s)
+        obj = json.loads(s, object_pairs_hook=_unique_fields)
+    except _DuplicateField as e:
+        raise ValueError(f"field {e.args[0]!r} is given twice in one object (JSON would keep only the last)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"bad JSON: {e.msg} (column {e.colno})") from None
     except RecursionError:
@@ -81,6 +83,21 @@ def _parse(data: bytes, line: int):
         raise ValueError(f"bad JSON: {str(e).split(';')[0]}") from None
     if _SURROGATE_ESCAPE.search(s):
         check_unicode(obj)
+    return obj
+
+
+class _DuplicateField(Exception):
+    """A JSON object names a field twice: json.loads would keep the last value silently."""
+
+
+def _unique_fields(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateField(key)
+            seen.add(key)
     return obj
 
 

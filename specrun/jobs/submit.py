@@ -16,6 +16,7 @@ from specrun.decoding.drafters.heads import read_heads_config
 from specrun.decoding.drafters.recurrent_files import any_builtin_drafter
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
+from specrun.errors import describe_os_error
 from specrun.jobs.inputs import read_prompts
 from specrun.jobs.jobdir import JobDir, JobError, engine_json, manifest_differences
 from specrun.jobs.modelinfo import ModelInfo
@@ -89,21 +90,33 @@ def prepare_job(prompts_path: str | Path, job_dir: str | Path, info: ModelInfo, 
     manifest = build_manifest(prompts_path, input_sha, len(records), info, settings, params, engine)
     job = JobDir(job_dir)
     if not job.exists():
-        _check_ours(job)
-        job.acquire_lock()  # before any file: a second submit names this one, and a half-created job is ours to redo
         try:
-            if not job.exists():
-                job.remove_leftovers(_check_ours(job))
-                job.create(manifest, records)
-                return job, True
-        finally:
-            job.release_lock()
+            _check_ours(job)
+            job.acquire_lock()  # before any file: a second submit names this one, a half-created job is ours to redo
+            try:
+                if not job.exists():
+                    job.remove_leftovers(_check_ours(job))
+                    job.create(manifest, records)
+                    return job, True
+            finally:
+                job.release_lock()
+        except OSError as e:  # a path under a file, a read-only or virtual file system, no space
+            raise JobError(f"cannot create the job in {job.root}: {_creation_problem(job.root, e)}") from None
     diffs = manifest_differences(job.manifest(), manifest)
     if diffs:
         raise JobError(f"job {job.root} exists with different settings, refusing to mix them:\n  "
                        + "\n  ".join(diffs) + "\nuse another --job-dir, or `specrun resume " + str(job.root)
                        + "` to continue it as it was")
     return job, False
+
+
+def _creation_problem(root, e: OSError) -> str:
+    """What stopped a job's creation, naming the file that a local path runs through where that is it."""
+    if isinstance(e, NotADirectoryError) and isinstance(root, Path):
+        blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return f"{blocker} is a file, not a folder"
+    return describe_os_error(e)
 
 
 def _check_ours(job: JobDir) -> list[str]:

@@ -1,6 +1,6 @@
 """Inputs that cannot work are refused before anything is written or started, naming the fault: drafting settings a
-worker would refuse, names of undecodable bytes, a pipe without --job-dir, an export over the job's own files, and
-`specrun generate`'s prompt file and stop tokens (one error line, never an internal error).
+worker would refuse, names of undecodable bytes, a pipe without --job-dir, a job dir under a file, an export over the
+job's own files, and `specrun generate`'s prompt file and stop tokens (one error line, never an internal error).
 """
 
 from __future__ import annotations
@@ -73,6 +73,14 @@ def test_submit_refuses_a_name_of_undecodable_bytes_and_a_pipe_without_job_dir(m
     finally:
         os.close(r)
     assert not (tmp_path / "specrun-jobs").exists()
+
+
+def test_submit_names_a_job_dir_it_cannot_create(model, prompts, tmp_path):  # noqa: F811
+    (tmp_path / "a_file").write_text("x")
+    _refused(_run(["submit", prompts, "--model", model, "--max-tokens", "4", "-q", "--job-dir", tmp_path / "a_file" / "j"
+                   / "k"]), f"cannot create the job in {tmp_path / 'a_file' / 'j' / 'k'}: {tmp_path / 'a_file'} is a "
+                            "file, not a folder")
+    assert (tmp_path / "a_file").read_text() == "x"
 
 
 def test_export_refuses_the_jobs_own_files_and_missing_folders(model, prompts, tmp_path):  # noqa: F811

@@ -76,6 +76,9 @@ BAD_LINES = [
     ('{"prompt": "a", "min_p": -Infinity}', "min_p=-inf must be a finite number"),
     ("null", "expected a JSON object, got NoneType"),
     ("\u00a0", "bad JSON"),  # not JSON whitespace: not a blank line
+    # a field given twice: JSON keeps the last one, the line's author meant one of them
+    ('{"prompt": "a", "max_tokens": 3, "max_tokens": 9}', "field 'max_tokens' is given twice in one object"),
+    ('{"messages": [{"role": "user", "content": "a", "role": "system"}]}', "field 'role' is given twice"),
     # OpenAI batch lines: method + url required, every body field we do not implement refused by name
     (json.dumps({"custom_id": "c", "method": "POST", "body": {"prompt": "a"}}), "needs a 'url'"),
     (_oa({"prompt": "a"}, url=""), "needs a 'url'"),
