@@ -196,9 +196,12 @@ def _generations(lm: LoadedModel, prompt: list[int], params: SamplingParams, run
 
 def quant_draft_rates(lm: LoadedModel, prompt_len: int, new_tokens: int, width: int = 4) -> list[dict]:
     """The 4-bit self-draft on the device (torch's int4 kernels: tinygemm on CUDA), one sequence at a fixed width
-    against AR, both with the static step (greedy, EOS ignored): its cost a drafted token against an AR step, and
-    that the output is AR's (reduced precision: a near tie may part them). Random weights: acceptance means nothing."""
+    against AR, both with the static step (greedy, EOS ignored): its cost a drafted token against an AR step with its
+    depth a CUDA graph (spec_quant; its eager twin off CUDA) and eager (spec_quant_eager), and that the output is AR's
+    (reduced precision: a near tie may part them). Random weights: acceptance means nothing."""
     from specrun.decoding.drafters.quant_draft import quantized
+    from specrun.decoding.drafters.quant_static import StaticDraft
+    from specrun.decoding.drafters.quant_torch import TorchForward
     from specrun.decoding.forward.decoder import FusedDecoder
 
     fwd = quantized(FusedDecoder.of(lm.model))
@@ -206,17 +209,39 @@ def quant_draft_rates(lm: LoadedModel, prompt_len: int, new_tokens: int, width: 
         return [{"name": "spec_quant", "skipped": "no int4 kernel takes this model on this device"}]
     prompt = _prompts(lm, 1, prompt_len)[0]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    runs = {"ar_static": EngineConfig(drafters=(), step_graphs="on"),
-            "spec_quant": EngineConfig(drafters=("quant",), trie_budget=width, adaptive_budget=False, step_graphs="on")}
+    spec = EngineConfig(drafters=("quant",), trie_budget=width, adaptive_budget=False, step_graphs="on",
+                        compile_draft="off")
+    runs = {"ar_static": EngineConfig(drafters=(), step_graphs="on"), "spec_quant": spec}
+    static = getattr(fwd, "static", None)  # the depth's CUDA graph (quant_static.py): measured with and without
+    twin = static is None and isinstance(fwd, TorchForward)  # elsewhere its eager twin, so that a dry run runs it
+    if twin:
+        fwd.static = static = StaticDraft(fwd)
+    try:
+        gens = _generations(lm, prompt, params, runs) + (
+            _eager_generations(lm, prompt, params, fwd, spec, static) if static is not None else [])
+    finally:
+        if twin:
+            fwd.static = None
     out = []
-    for name, res, s, equal, div in _generations(lm, prompt, params, runs):
+    for name, res, s, equal, div in gens:
         st = res.stats
         drafted = (st["mean_trie_nodes"] - 1) * st["steps"]
         out.append({"name": name, "tokens_per_s": len(res.token_ids) / s, "mean_accepted": st["mean_accepted"],
                     "step_ms": 1e3 * s / st["steps"], "bits": getattr(fwd, "bits", 4),
                     "draft_ms_per_node": 1e3 * st["phase_seconds"].get("draft", 0.0) / drafted if drafted else None,
+                    "graphs": bool(name == "spec_quant" and static is not None and static.graphs),
                     "equal_to_ar": equal, "divergence": div})
     return out
+
+
+def _eager_generations(lm, prompt, params, fwd, spec: EngineConfig, static) -> list[tuple]:
+    """The spec_quant run again with the draft's depth eager (its static twin set aside), against static AR."""
+    fwd.static = None
+    try:
+        runs = {"ar_static": EngineConfig(drafters=(), step_graphs="on"), "spec_quant_eager": spec}
+        return _generations(lm, prompt, params, runs)[1:]
+    finally:
+        fwd.static = static
 
 
 def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens: int,

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 CARRY = Path(os.environ.get("SPECRUN_CARRY", REPO / ".whl"))
 SITE = Path("/tmp/specrun-site")  # where the carried wheels are installed on the machine
 GPU_TESTS = ["tests/decoding/test_gpu.py", "tests/decoding/test_sampling.py", "tests/decoding/test_attention.py",
-             "tests/decoding/test_several_sequences.py", "tests/decoding/test_quant_draft.py"]
+             "tests/decoding/test_several_sequences.py", "tests/decoding/test_quant_draft.py",
+             "tests/decoding/test_quant_static.py"]
 
 ALL = ("build", "bandwidth", "decode", "verify", "engine", "batch", "quant")
 SPEC = ("build", "engine", "batch")  # a cycle model: speculation's upper bound (its text is drafted whole)

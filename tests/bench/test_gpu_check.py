@@ -44,6 +44,7 @@ def test_dry_run_writes_every_step(tmp_path):
                                                               for n in ("ar", "spec")}
     quant = {r["name"]: r for r in steps[f"{shapes[0]}/quant"]["result"]}  # the 4-bit self-draft on the device
     assert quant["spec_quant"]["equal_to_ar"] and quant["spec_quant"]["draft_ms_per_node"] > 0
+    assert quant["spec_quant_eager"]["equal_to_ar"] and quant["spec_quant_eager"]["draft_ms_per_node"] > 0  # no twin
     assert "gpu-check.log" in {p.name for p in out.iterdir()}
 
 

@@ -18,6 +18,7 @@ import torch
 from specrun.decoding.drafters.kernel_window import DraftWindow
 from specrun.decoding.drafters.ngram import SuffixCopy
 from specrun.decoding.drafters.quant_ring import RingForward, ring_forward, ring_of
+from specrun.decoding.drafters.quant_static import StaticDraft
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
@@ -102,10 +103,13 @@ class KernelForward:
 
 def quantized(decoder) -> KernelForward | TorchForward | None:
     """The 4-bit draft forward of a FusedDecoder, built once per decoder: our kernels where they take it, else torch's
-    int4 kernels (any CPU, CUDA GPUs of compute capability 8.0+); None where neither takes it. compiled_draft makes
-    torch's CPU draft one graph a token."""
+    int4 kernels (any CPU, CUDA GPUs of compute capability 8.0+; on CUDA one sequence's depth a CUDA graph); None
+    where neither takes it. compiled_draft makes torch's CPU draft one graph a token."""
     if not hasattr(decoder, "_specrun_q4"):
-        decoder._specrun_q4 = KernelForward.of(decoder) or TorchForward.of(decoder)
+        forward = KernelForward.of(decoder) or TorchForward.of(decoder)
+        if isinstance(forward, TorchForward) and forward.device.type == "cuda":
+            forward.static = StaticDraft(forward)  # one sequence's depth as a CUDA graph
+        decoder._specrun_q4 = forward
     return decoder._specrun_q4
 
 

@@ -193,12 +193,14 @@ class TorchForward:
         self.head = Int4Linear(dec.lm_head.weight)
         self.rows = dec.lm_head.weight  # [V, H]: rescore's
         self.caches: list = []
+        self.positions: list[int] = []  # each row's root position
         self.cos = self.sin = None  # [B, k, 1, D] bf16 of the draft's positions
+        self.static = None  # quant_static.StaticDraft where one row's depth is a CUDA graph (quant_draft.quantized)
 
     def begin(self, caches: list, positions: list[int], k: int, owners: list | None = None) -> None:
         """A draft of k tokens for each row: its root at positions[b], over caches[b] (anything with k, v
         [Lyr, Hkv, S, D] and length: a KVCache, or a batched sequence's one page); owners: RingForward's."""
-        self.caches = caches
+        self.caches, self.positions = caches, positions
         dev = self.device
         like = torch.empty((1, 1, self.dec.head_dim), dtype=BF16, device=dev)
         pos = torch.tensor(positions, device=dev)[:, None] + torch.arange(k, device=dev)  # [B, k]
@@ -212,6 +214,10 @@ class TorchForward:
         # counts[b]: [V] int32 or None -> [B, V] float32 (-inf outside each row's candidates)
         """
         dec, B = self.dec, len(tokens)
+        if B == 1 and self.static is not None:
+            cache = self.caches[0]
+            h, coarse = self.static.coarse(cache, tokens[0], self.positions[0] + i, cache.length + i)
+            return rescore(coarse, counts, h, self.rows, thetas, belows)
         nq, nkv, D = dec.n_q, dec.n_kv, dec.head_dim
         x = dec.embed(torch.tensor(tokens, device=self.device)).to(BF16)  # [B, H]
         cos, sin = self.cos[:, i], self.sin[:, i]  # [B, 1, D]

@@ -174,17 +174,23 @@ class StaticStep:
         return out[:T].clone()  # the graph's output buffer is rewritten by the next replay; drafters keep hidden rows
 
     def _capture(self, rows: _Rows, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (it runs the forward for the current inputs: the same K/V written to the same
-        slots, so no harm), then capture; every graph shares one memory pool."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP):
-                self._body(rows, bucket)
-        torch.cuda.current_stream().wait_stream(stream)
+        """capture_graph of the bucket's forward (its warm-up writes the current rows' K/V to the same slots: no
+        harm); every graph shares one memory pool."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._body(rows, bucket)
-        return graph, out
+        return capture_graph(lambda: self._body(rows, bucket), self._pool)
+
+
+def capture_graph(body, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """body() captured as a CUDA graph -> (graph, body's output, rewritten by each replay). It runs WARMUP times first
+    on a side stream (torch's rule: lazy initialisations happen outside a capture), so it must be harmless to repeat."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
