@@ -4,7 +4,8 @@ K/V against the eager draft's, and an engine drafting through it whose output is
 import pytest
 import torch
 
-from specrun.decoding.drafters import quant_torch
+from specrun.bench.neartie import check_divergence
+from specrun.decoding.drafters import quant_static, quant_torch
 from specrun.decoding.drafters.quant_static import StaticDraft, window_slots
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.engine import Engine, EngineConfig
@@ -15,9 +16,10 @@ from tests.decoding.test_attention import CUDA
 from tests.decoding.test_quant_draft import GREEDY, PROMPT, SAMPLED, _on_grid, model_dir  # noqa: F401 (a fixture)
 
 
+@pytest.mark.parametrize("keys", [7, 16])  # the window's slots, or rounded up to whole tiles
 @pytest.mark.parametrize("n", [1, 3, 7, 8, 30])
-def test_the_static_window_is_the_whole_text_then_the_sinks_and_the_last_slots(n):
-    slots, live = window_slots(torch.tensor([n]), 7, sinks=2, window=5)
+def test_the_static_window_is_the_whole_text_then_the_sinks_and_the_last_slots(n, keys):
+    slots, live = window_slots(torch.tensor([n]), keys, sinks=2, window=5)
     want = set(range(n)) if n <= 7 else {0, 1, *range(n - 5, n)}
     assert set(slots[live].tolist()) == want and int(live.sum()) == len(want)
     assert bool((slots < max(n, 1)).all())  # padding reads a slot the cache has
@@ -39,19 +41,20 @@ def test_the_static_depth_computes_the_eager_drafts_logits_and_kv(model_dir, mon
     runs = {}
     for name in ("eager", "static"):
         fwd.static = StaticDraft(fwd, graphs=False) if name == "static" else None
+        runner.cache.k[:, :, n:], runner.cache.v[:, :, n:] = float("nan"), float("nan")  # each run writes its own
         fwd.begin([runner.cache], [n], 2)
         logits = [fwd.logits(i, [tok], *every)[0] for i, tok in enumerate((65, 66))]
         runs[name] = logits, runner.cache.k[:, :, n : n + 2].clone(), runner.cache.v[:, :, n : n + 2].clone()
-    for got, want in zip(runs["static"][0], runs["eager"][0]):
-        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    for got, want in zip(runs["static"][0], runs["eager"][0]):  # the same keys, attended in another order
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     for got, want in zip(runs["static"][1:], runs["eager"][1:]):
-        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     monkeypatch.setattr(quant_torch, "WINDOW", 4016)
     fwd.static = None
     fwd.begin([runner.cache], [n], 2)
     whole = [fwd.logits(i, [tok], *every)[0] for i, tok in enumerate((65, 66))]
     gap = max(float((a - b).abs().max()) for a, b in zip(runs["static"][0], whole))
-    assert gap > 0.05 if window == 5 else gap <= 0.02 * float(whole[0].abs().max())
+    assert gap > 0.05 if window == 5 else gap <= 1e-4 * float(whole[0].abs().max())
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
@@ -70,3 +73,41 @@ def test_an_engine_drafting_through_the_static_depth_gives_ars_output(model_dir,
     assert result.stats["mean_accepted"] > 3.0, result.stats
     if device == "cuda":
         assert fwd.static.graphs and fwd.static.replays > 0  # captured once, then replayed
+
+
+def test_a_capture_that_fails_leaves_the_eager_draft_drafting(model_dir, monkeypatch):  # noqa: F811
+    """Where the device refuses the graph (its function or its capture), a warning, and the eager forward drafts from
+    then on: the output is AR's and the drafts are still accepted."""
+    def refused(body, pool=None):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(quant_static, "capture_graph", refused)
+    lm = _on_grid(load_model(str(model_dir), dtype="float32"))
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, GREEDY).token_ids
+    dec = FusedDecoder.of(lm.model)
+    dec._specrun_q4 = fwd = TorchForward.of(dec)
+    fwd.static = StaticDraft(fwd, graphs=True)
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_draft="off"))
+    with pytest.warns(RuntimeWarning, match="4-bit draft's CUDA graph failed"):
+        result = engine.generate(PROMPT, GREEDY)
+    assert fwd.static.failed and fwd.static.replays == 0
+    assert result.token_ids == ar and result.stats["mean_accepted"] > 3.0, result.stats
+
+
+@pytest.mark.gpu
+@CUDA
+def test_on_cuda_in_bf16_the_graph_replays_past_the_window(model_dir, monkeypatch):  # noqa: F811
+    """bf16 on CUDA with a window of 2 sinks and 5 slots, so that the graph's sliding branch replays (the memory-
+    efficient kernel under a bias over the gathered keys): captured without failing, and the output AR's up to near
+    ties (bf16 verify rows round otherwise than AR's)."""
+    monkeypatch.setattr(quant_torch, "SINKS", 2)
+    monkeypatch.setattr(quant_torch, "WINDOW", 5)
+    lm = _on_grid(load_model(str(model_dir), dtype="bfloat16", device="cuda"))
+    ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
+    dec = FusedDecoder.of(lm.model)
+    dec._specrun_q4 = fwd = TorchForward.of(dec)
+    fwd.static = StaticDraft(fwd)
+    got = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False)).generate(PROMPT, SAMPLED)
+    assert not fwd.static.failed and fwd.static.replays > 0
+    div = check_divergence(lm, PROMPT, SAMPLED, ar, got.token_ids)
+    assert div is None or div.near_tie, div

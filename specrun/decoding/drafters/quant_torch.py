@@ -216,8 +216,9 @@ class TorchForward:
         dec, B = self.dec, len(tokens)
         if B == 1 and self.static is not None:
             cache = self.caches[0]
-            h, coarse = self.static.coarse(cache, tokens[0], self.positions[0] + i, cache.length + i)
-            return rescore(coarse, counts, h, self.rows, thetas, belows)
+            out = self.static.coarse(cache, tokens[0], self.positions[0] + i, cache.length + i)  # None: it failed
+            if out is not None:
+                return rescore(out[1], counts, out[0], self.rows, thetas, belows)
         nq, nkv, D = dec.n_q, dec.n_kv, dec.head_dim
         x = dec.embed(torch.tensor(tokens, device=self.device)).to(BF16)  # [B, H]
         cos, sin = self.cos[:, i], self.sin[:, i]  # [B, 1, D]

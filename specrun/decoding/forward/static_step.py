@@ -186,10 +186,12 @@ def capture_graph(body, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     on a side stream (torch's rule: lazy initialisations happen outside a capture), so it must be harmless to repeat."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(WARMUP):
-            body()
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP):
+                body()
+    finally:  # a warm-up that raised may leave work queued there: the caller's next kernels wait for it
+        torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = body()
