@@ -29,11 +29,31 @@ class _Main(click.Group):
             raise
         except SpecrunError as e:  # the library raises, only the CLI exits
             raise click.ClickException(str(e)) from e
+        except BrokenPipeError as e:  # the reader of our stdout left (`| head`): quiet, as coreutils are
+            if not _stdout_gone():
+                raise click.ClickException(describe_os_error(e)) from e
+            ctx.exit(128 + 13)  # SIGPIPE's status
         except OSError as e:
             raise click.ClickException(describe_os_error(e)) from e
         except Exception as e:  # the one place that turns a bug into a report
             raise click.ClickException(f"internal error: {type(e).__name__}: {str(e)[:300]} "
                                        f"({write_traceback(e)})") from e
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe (then its reader left: a write to it raised); it is pointed at /dev/null, so that the
+    exit's flush stays quiet."""
+    import os
+    import stat
+    import sys
+
+    try:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def write_traceback(e: BaseException) -> str:

@@ -44,7 +44,5 @@ def report(job_dir, output, max_prompts, no_png):
         files = write_report(JobDir(job_dir), config)
     except (ReportError, JobError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-    except OSError as e:
-        raise click.ClickException(f"cannot write the report {config.output}: {e}") from e
     click.echo(f"wrote {files[0]}" + (f" and {len(files) - 1} PNG file(s) beside it" if len(files) > 1 else ""),
                err=True)

@@ -3,14 +3,15 @@
 
 Streamed: rows are read from the job's output files a row group at a time and written out as they come, so memory
 holds the ids (openai: the chat prompts' ids once more) plus one row group per output file, never every token of every
-output. A Parquet export gets row groups of bounded size (storage/rowfiles.py) and the OUTPUT schema; every file
-written to -o appears only complete (atomic).
+output. A Parquet export gets row groups of bounded size (storage/rowfiles.py) and the OUTPUT schema; a file written
+to -o appears only complete (atomic), through a symlink to its target; a device or FIFO is written in place.
 Only finished prompts are exported; the caller is told how many are missing. A row that cannot be read (a damaged
 output file) is skipped with a warning: `specrun resume` generates it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import sys
@@ -21,7 +22,7 @@ import pyarrow as pa
 from specrun.jobs.jobdir import JobDir
 from specrun.jobs.openai_out import OpenAIBatchLines
 from specrun.jobs.printable import printable
-from specrun.storage.atomic import atomic_path
+from specrun.storage.atomic import atomic_path, output_target
 from specrun.storage.fs import job_path
 from specrun.storage.outputs import is_foreign
 from specrun.storage.rowfiles import row_writer
@@ -91,16 +92,18 @@ def export(job: JobDir, fmt: str, out: str | None) -> tuple[int, int]:
             n += len(ids)
             yield ids, t
 
+    target, atomic = (None, True) if out in (None, "-") else output_target(out)
     if fmt == "parquet":
-        with row_writer(out, OUTPUT) as w:
+        with row_writer(target, OUTPUT, atomic=atomic) as w:
             for _, t in counted():
                 w.add(t)
-    elif out in (None, "-"):
+    elif target is None:
         for line in _lines(counted(), fmt, openai):
             sys.stdout.write(line)
         sys.stdout.flush()
     else:
-        with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        with atomic_path(target) if atomic else contextlib.nullcontext(target) as tmp, \
+                open(tmp, "w", encoding="utf-8") as f:
             f.writelines(_lines(counted(), fmt, openai))
     for p in problems:
         lost = "" if is_foreign(p) else f"; those rows were not exported (`specrun resume {job.root}` generates them again)"

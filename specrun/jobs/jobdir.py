@@ -38,6 +38,7 @@ OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "model.rope_s
 # the top-level keys of a manifest (submit.build_manifest, and the checksums JobDir.create adds)
 MANIFEST_KEYS = {"specrun_version", "schema_version", "created_at", "input", "model", "params", "engine", "checkpoint",
                  "prompts_sha256", "checksum"}
+MANIFEST_NEEDS = ("input", "model", "params", "engine", "checkpoint")  # every job.json has them, as objects
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class JobDir:
     def manifest(self) -> dict:
         """job.json; JobError naming it when it is missing, unreadable or fails its checksum (it cannot be rebuilt)."""
         if not self.exists():
+            if isinstance(self.root, Path) and self.root.exists() and not self.root.is_dir():
+                raise JobError(f"{self.root} is a file, not a job's folder")
             if self.half_created():
                 raise JobError(f"{self.root} is a job whose creation was interrupted (it has no job.json yet): run the "
                                f"same `specrun submit` again to create it")
@@ -90,6 +93,9 @@ class JobDir:
             # older jobs have no checksum, but never a key we do not know (a flipped bit in a key's name)
             ok = isinstance(m, dict) and set(m) <= MANIFEST_KEYS and m.get("checksum", _checksum(m)) == _checksum(m)
             why = "its checksum does not match its content"
+            lacks = [k for k in MANIFEST_NEEDS if not isinstance(m.get(k), dict)] if ok and "checksum" not in m else []
+            if lacks:  # what every command reads, missing from a manifest without a checksum
+                ok, why = False, f"it has no {', '.join(lacks)}"
         except (OSError, ValueError) as e:
             ok, why = False, f"{type(e).__name__}: {str(e)[:200]}"
         if not ok:

@@ -16,6 +16,7 @@ from specrun.storage.atomic import read_json
 from specrun.storage.chunks import progress_count
 from specrun.storage.fs import fs_of
 from specrun.storage.names import id_key
+from specrun.storage.outputs import is_foreign
 
 LIVE_FRESH_S = 120.0  # a live file older than this (or with no driver) is an interrupted run, not a running one
 OUT_COLUMNS = ["id", "n_tokens", "finish_reason", "tokens_per_s", "mean_accepted", "seconds"]
@@ -91,6 +92,8 @@ def job_status(job: JobDir) -> dict:
         "totals": {**counts, "total": len(rows), "tokens": sum(r["tokens"] for r in rows),
                    "tokens_per_s": running_rate, "eta_s": left / running_rate if running_rate > 0 else None},
         "workers": workers,
+        # output files (or row groups) that could not be read: the prompts they held show pending until a resume
+        "problems": [p for p in scan.problems if not is_foreign(p)],
         "attempts": read_attempts(job),  # what each run (submit, resume) used, oldest first
         "detached": detached_status(job),  # the latest `--detach` run and its Ray job's status, None if none
     }
@@ -123,6 +126,8 @@ def status_renderable(st: dict):
     lines = [t, Text(f"{tot['done']}/{tot['total']} done, {tot['running']} running, {tot['pending']} pending, "
                      f"{tot['failed']} failed" + (f", {tot['repair']} need repair (resume)" if tot["repair"] else "")
                      + f"; {tot['tokens']:,} tokens; {tot['tokens_per_s']:.1f} tok/s; ETA {_eta(tot['eta_s'])}")]
+    for problem in st.get("problems", ()):
+        lines.append(cell(f"warning: outputs: {problem}; `specrun resume` generates the prompts it held again"))
     if st.get("workers"):
         lines.append(cell("workers: " + "; ".join(f"{w} {v['running']} running, {v['tokens_per_s']:.1f} tok/s"
                                                   for w, v in sorted(st["workers"].items()))))

@@ -1,12 +1,13 @@
 """`specrun report`: a job's timelines (storage/timeline.py) as one offline HTML page (plotly) and PNGs (matplotlib).
 
-Read-only on the job; the plotting libraries are the optional extra specrun[report], imported only when a report is
+Read-only on the job (the page may go into its folder, never over its files); the plotting libraries are the optional extra specrun[report], imported only when a report is
 made (ReportError names the pip command when they are missing). The page and each PNG are written atomically.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,26 @@ def require() -> None:
                               f"install them with: {INSTALL}") from None
 
 
+def check_output(job: JobDir, output: Path) -> Path:
+    """The page's file as written (a symlink followed), or ValueError: a device or pipe (a rename would destroy it,
+    and its PNGs have no folder), or a name of the job's own files (its manifest, prompts, lock, anything in its
+    folders): the job could not be read again. The job's own folder takes a page beside them (the default)."""
+    real = Path(os.path.realpath(output))
+    if real.exists() and not real.is_file():
+        raise ValueError(f"report output {output} is not a regular file (a device or pipe?): give a file name such "
+                         f"as report.html")
+    if isinstance(job.root, Path):
+        root = job.root.resolve()
+        own = {job.manifest_path.name, job.prompts_path.name, job.lock_path.name}
+        if real.is_relative_to(root) and (real.parent != root or real.name in own or real.name.startswith(".")):
+            raise ValueError(f"report output {output} is one of the job's own files in {job.root}: write it "
+                             f"elsewhere, or as {job.root / 'report.html'}")
+    return real
+
+
 def write_report(job: JobDir, config: ReportConfig) -> list[Path]:
     """Write the page (and the job charts as PNGs); returns the files written, the page first."""
+    output = check_output(job, config.output)
     require()
     from specrun.report.charts import job_charts, prompt_charts
     from specrun.report.data import gather
@@ -57,7 +76,7 @@ def write_report(job: JobDir, config: ReportConfig) -> list[Path]:
     pngs = []
     if config.png:
         for c in charts:
-            pngs.append(atomic_write_bytes(config.output.with_name(f"{config.output.stem}-{c.key}.png"), png_bytes(c)))
+            pngs.append(atomic_write_bytes(output.with_name(f"{output.stem}-{c.key}.png"), png_bytes(c)))
     per_prompt = {p.id: prompt_charts(p) for p in rep.prompts[:config.max_prompts]}
     page = render_page(rep, charts, per_prompt, [p.name for p in pngs])
-    return [atomic_write_bytes(config.output, page.encode("utf-8")), *pngs]
+    return [atomic_write_bytes(output, page.encode("utf-8")), *pngs]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +24,21 @@ def atomic_path(path: str | os.PathLike, durable: bool = True):
     it becomes the file at `path` (a job location: a Path, an ObjectPath or a URI), on an exception it is removed."""
     path = job_path(path)
     return fs_of(path).writing(path, durable)
+
+
+def output_target(path: str | os.PathLike):
+    """Where a user's output file (`export -o`, `report -o`) goes: (its location, whether to write it atomically). A
+    local symlink is followed (its target is written, the link stays); an existing file that is not a regular one
+    (a device such as /dev/null, a FIFO) is written in place, never replaced by a rename."""
+    path = job_path(path)
+    if not isinstance(path, Path):
+        return path, True
+    real = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return real, True
+    return real, stat.S_ISREG(mode)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True):

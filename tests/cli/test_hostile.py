@@ -316,6 +316,23 @@ def test_status_does_not_call_a_row_with_a_wrong_token_done(job_a):
     assert "checksum" in st["prompts"][1]["error"]
 
 
+def test_status_names_an_output_file_it_cannot_read(job_a):
+    """A truncated output file holds rows no command can read: status says so (the prompts show pending, as resume
+    regenerates them), it does not just count them as never done."""
+    out = next((job_a / "outputs").glob("merged.*.parquet"))
+    data = out.read_bytes()
+    out.write_bytes(data[: len(data) // 2])
+    try:
+        r = _cli("status", job_a)
+        said = " ".join(r.output.split())  # as rich wrapped it
+        assert r.exit_code == 0 and f"warning: outputs: {out.name} is unreadable" in said, r.output
+        assert "`specrun resume` generates the prompts it held again" in said
+        st = json.loads(_cli("status", job_a, "--json").stdout)
+        assert st["problems"] and {p["state"] for p in st["prompts"]} == {"pending"}
+    finally:
+        out.write_bytes(data)
+
+
 # -- 9. a signal before Ray is up ------------------------------------------------------------------------------
 
 def test_sigterm_while_the_prompts_are_read_takes_the_clean_path(model, tmp_path):

@@ -1,12 +1,17 @@
 """Inputs that cannot work are refused before anything is written or started, naming the fault: drafting settings a
-worker would refuse, names of undecodable bytes, a pipe without --job-dir, a job dir under a file, an export over the
-job's own files, and `specrun generate`'s prompt file and stop tokens (one error line, never an internal error).
+worker would refuse, names of undecodable bytes, a pipe without --job-dir, a job dir under a file, an export or report
+over the job's own files or one replacing a link or pipe, and `specrun generate`'s prompt file and stop tokens (one
+error line, never an internal error).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
+import sys
+import threading
 
 import pytest
 from click.testing import CliRunner
@@ -95,6 +100,43 @@ def test_export_refuses_the_jobs_own_files_and_missing_folders(model, prompts, t
     assert (job / "job.json").read_bytes() == manifest and not (tmp_path / "no").exists()
     res = _run(["export", job, "-o", tmp_path / "out.jsonl"])
     assert res.exit_code == 0 and json.loads((tmp_path / "out.jsonl").read_text())["id"] == "a"
+
+
+def test_export_writes_through_a_link_and_into_a_pipe_and_report_never_over_the_jobs_files(model, prompts,  # noqa: F811
+                                                                                            tmp_path):
+    """-o follows a symlink (the link stays) and writes a FIFO in place (a rename would replace it); report refuses
+    the job's own files and a pipe, as export refuses them, before it needs its plotting libraries."""
+    job = tmp_path / "job"
+    assert _run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q",
+                 "--draft", "none"]).exit_code == 0
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "target.jsonl")
+    assert _run(["export", job, "-o", tmp_path / "link.jsonl"]).exit_code == 0
+    assert (tmp_path / "link.jsonl").is_symlink() and json.loads((tmp_path / "target.jsonl").read_text())["id"] == "a"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)  # blocked if it were replaced
+    reader.start()
+    assert _run(["export", job, "-o", fifo]).exit_code == 0
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got[0])["id"] == "a"
+    manifest = (job / "job.json").read_bytes()
+    for out in (job / "job.json", job / "outputs" / "r.html", job / "prompts.parquet"):
+        _refused(_run(["report", job, "--no-png", "-o", out]), "is one of the job's own files")
+    _refused(_run(["report", job, "--no-png", "-o", fifo]), "is not a regular file")
+    assert (job / "job.json").read_bytes() == manifest and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_export_into_a_pipe_its_reader_closed_exits_quietly(model, prompts, tmp_path):  # noqa: F811
+    """`specrun export JOB | head`: the reader gone, export stops as coreutils do (SIGPIPE's status, no message)."""
+    job = tmp_path / "job"
+    assert _run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q",
+                 "--draft", "none"]).exit_code == 0
+    p = subprocess.Popen([sys.executable, "-c", "from specrun.cli import main; main()", "export", str(job)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before export writes its first row
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141 and b"Error" not in err, err
 
 
 def test_generate_names_a_prompt_file_of_bad_utf8_and_a_stop_token_past_the_vocabulary(model, tmp_path):  # noqa: F811

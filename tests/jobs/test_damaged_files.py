@@ -11,6 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+import specrun
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
@@ -88,6 +89,26 @@ def test_a_truncated_manifest_or_prompts_file_is_refused_naming_it(job, name):
             assert f"{path} is damaged" in r.stderr and "--job-dir" in r.stderr, (args, r.stderr)
     finally:
         path.write_bytes(data)
+
+
+@pytest.mark.parametrize("content", ["{}", '{"model": 3, "specrun_version": "0"}'])
+def test_a_manifest_without_a_checksum_lacking_settings_is_refused_naming_them(job, content):
+    """An old job's manifest has no checksum: one without the settings every command reads is damaged, not read."""
+    data = job.manifest_path.read_bytes()
+    job.manifest_path.write_text(content)
+    try:
+        for args in (["status", str(job.root)], ["export", str(job.root)]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code == 1 and "job.json is damaged (it has no input, model" in r.stderr, (args, r.stderr)
+    finally:
+        job.manifest_path.write_bytes(data)
+
+
+def test_a_file_given_as_a_job_is_named_by_the_api(tmp_path):
+    (tmp_path / "afile.txt").write_text("x")
+    for call in (lambda j: j.status(), lambda j: j.outputs()):
+        with pytest.raises(JobError, match="afile.txt is a file, not a job's folder"):
+            call(specrun.Job(tmp_path / "afile.txt"))
 
 
 def test_a_lock_that_cannot_be_parsed_is_named_and_counts_as_held_for_a_lease(job):
