@@ -41,16 +41,22 @@ class _Main(click.Group):
 
 
 def _stdout_gone() -> bool:
-    """Whether stdout is a pipe (then its reader left: a write to it raised); it is pointed at /dev/null, so that the
-    exit's flush stays quiet."""
+    """Whether stdout is a pipe whose reader left (poll says so: another pipe's error is not hidden); stdout is then
+    pointed at /dev/null, so that the exit's flush stays quiet."""
     import os
+    import select
     import stat
     import sys
 
     try:
-        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
             return False
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         return True
     except (OSError, ValueError):
         return False

@@ -47,17 +47,16 @@ def require() -> None:
 
 def check_output(job: JobDir, output: Path) -> Path:
     """The page's file as written (a symlink followed), or ValueError: a device or pipe (a rename would destroy it,
-    and its PNGs have no folder), or a name of the job's own files (its manifest, prompts, lock, anything in its
-    folders): the job could not be read again. The job's own folder takes a page beside them (the default)."""
+    and its PNGs have no folder), or in the job's folder anything but an .html page beside its files (the default
+    JOB/report.html): over the job's own files (manifest, prompts, lock, records) the job could not be read again."""
     real = Path(os.path.realpath(output))
-    if real.exists() and not real.is_file():
+    if output.exists() and not output.is_file():  # through links (/dev/stdout's to a pipe included)
         raise ValueError(f"report output {output} is not a regular file (a device or pipe?): give a file name such "
                          f"as report.html")
     if isinstance(job.root, Path):
         root = job.root.resolve()
-        own = {job.manifest_path.name, job.prompts_path.name, job.lock_path.name}
-        if real.is_relative_to(root) and (real.parent != root or real.name in own or real.name.startswith(".")):
-            raise ValueError(f"report output {output} is one of the job's own files in {job.root}: write it "
+        if real.is_relative_to(root) and (real.parent != root or real.suffix.lower() not in (".html", ".htm")):
+            raise ValueError(f"report output {output} would go among the job's own files in {job.root}: write it "
                              f"elsewhere, or as {job.root / 'report.html'}")
     return real
 

@@ -29,16 +29,15 @@ def atomic_path(path: str | os.PathLike, durable: bool = True):
 def output_target(path: str | os.PathLike):
     """Where a user's output file (`export -o`, `report -o`) goes: (its location, whether to write it atomically). A
     local symlink is followed (its target is written, the link stays); an existing file that is not a regular one
-    (a device such as /dev/null, a FIFO) is written in place, never replaced by a rename."""
+    (a device such as /dev/null or /dev/stdout, a FIFO) is written in place, never replaced by a rename."""
     path = job_path(path)
     if not isinstance(path, Path):
         return path, True
-    real = Path(os.path.realpath(path))
     try:
-        mode = os.stat(real).st_mode
+        mode = os.stat(path).st_mode  # through links, /proc's pipe links included
     except FileNotFoundError:
-        return real, True
-    return real, stat.S_ISREG(mode)
+        return Path(os.path.realpath(path)), True  # a new file, or the target a dangling link names
+    return (Path(os.path.realpath(path)), True) if stat.S_ISREG(mode) else (path, False)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True):

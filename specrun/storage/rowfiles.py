@@ -124,7 +124,7 @@ def row_writer(path: str | os.PathLike, schema: pa.Schema, *, durable: bool = Tr
                group_rows: int | None = None, atomic: bool = True):
     """Context manager yielding a RowWriter; the file appears at `path` only complete, on a clean exit (atomic=False:
     written in place, for a path that is not a regular file, such as a pipe)."""
-    with atomic_path(path, durable) if atomic else contextlib.nullcontext(path) as tmp:
+    with atomic_path(path, durable) if atomic else open(path, "wb") as tmp:  # a pipe: a stream, no seeks
         pw = pq.ParquetWriter(tmp, schema, **WRITE_OPTIONS)
         w = RowWriter(pw, group_bytes or ROW_GROUP_BYTES, group_rows or ROW_GROUP_ROWS)
         try:

@@ -6,6 +6,7 @@ error line, never an internal error).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -120,9 +122,15 @@ def test_export_writes_through_a_link_and_into_a_pipe_and_report_never_over_the_
     assert _run(["export", job, "-o", fifo]).exit_code == 0
     reader.join(timeout=30)
     assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got[0])["id"] == "a"
+    got.clear()
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert _run(["export", job, "--format", "parquet", "-o", fifo]).exit_code == 0  # a stream: no seeks
+    reader.join(timeout=30)
+    assert pq.read_table(io.BytesIO(got[0])).column("id").to_pylist() == ["a"]
     manifest = (job / "job.json").read_bytes()
-    for out in (job / "job.json", job / "outputs" / "r.html", job / "prompts.parquet"):
-        _refused(_run(["report", job, "--no-png", "-o", out]), "is one of the job's own files")
+    for out in (job / "job.json", job / "outputs" / "r.html", job / "prompts.parquet", job / "detached.json"):
+        _refused(_run(["report", job, "--no-png", "-o", out]), "would go among the job's own files")
     _refused(_run(["report", job, "--no-png", "-o", fifo]), "is not a regular file")
     assert (job / "job.json").read_bytes() == manifest and stat.S_ISFIFO(fifo.stat().st_mode)
 
@@ -132,11 +140,20 @@ def test_export_into_a_pipe_its_reader_closed_exits_quietly(model, prompts, tmp_
     job = tmp_path / "job"
     assert _run(["submit", prompts, "--model", model, "--max-tokens", "4", "--job-dir", job, "-q",
                  "--draft", "none"]).exit_code == 0
-    p = subprocess.Popen([sys.executable, "-c", "from specrun.cli import main; main()", "export", str(job)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p.stdout.close()  # before export writes its first row
+    r, w = os.pipe()
+    os.close(r)  # the reader gone before export starts
+    try:
+        p = subprocess.Popen([sys.executable, "-c", "from specrun.cli import main; main()", "export", str(job)],
+                             stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 141 and b"Error" not in err, err
+    assert p.returncode == 141 and b"Error:" not in err and b"BrokenPipe" not in err, err
+    # another pipe's reader gone while stdout is a live pipe: an error, not hidden as the reader of stdout leaving
+    boom = ("import os\nfrom specrun.cli import main\n@main.command('boom')\ndef boom():\n"
+            "    r, w = os.pipe()\n    os.close(r)\n    os.write(w, b'x')\nmain()\n")
+    res = subprocess.run([sys.executable, "-c", boom, "boom"], capture_output=True, timeout=120, check=False)
+    assert res.returncode == 1 and b"Error: BrokenPipeError: Broken pipe" in res.stderr, res.stderr
 
 
 def test_generate_names_a_prompt_file_of_bad_utf8_and_a_stop_token_past_the_vocabulary(model, tmp_path):  # noqa: F811
