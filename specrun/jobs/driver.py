@@ -161,11 +161,14 @@ class _Driver(_Slots):
                                       f"specrun resume {self.job.root}")
                     raise
         finally:
-            for w in self.workers.values():
-                ray.kill(w, no_restart=True)
-            self.workers.clear()
-            if started:
-                ray.shutdown()
+            # a signal now finds the work done (or already stopping): noted, not raised, so that Ray is shut down whole
+            # and a finished run reports done (a second signal still stops at once)
+            with _Interrupts():
+                for w in self.workers.values():
+                    ray.kill(w, no_restart=True)
+                self.workers.clear()
+                if started:
+                    ray.shutdown()
 
     def _loop(self, queue: deque, intr: _Interrupts) -> None:
         import ray

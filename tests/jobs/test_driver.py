@@ -26,7 +26,8 @@ from rich.console import Console
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
-from specrun.jobs.driver import EXIT_FAILED, EXIT_INTERRUPTED, RunOptions, _Interrupts, run_job
+from specrun.jobs.attempts import read_attempts
+from specrun.jobs.driver import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, _Interrupts, run_job
 from specrun.jobs.export import finished_table
 from specrun.jobs.jobdir import JobError
 from specrun.jobs.modelinfo import model_info
@@ -212,6 +213,28 @@ def test_ctrl_c_checkpoints_stops_and_resume_finishes_identically(tmp_path, mode
         assert out[pid]["token_ids"] == ref[pid]
     for pid in summary.stopped:
         assert out[pid]["resumed_tokens"] >= stopped_at[pid] > 0  # stop flushed every token; none regenerated
+
+
+def test_ctrl_c_while_ray_shuts_down_after_the_last_prompt_leaves_the_run_done(tmp_path, model, monkeypatch):
+    """Every prompt finished, the workers being stopped and Ray shut down (~2 s): a Ctrl-C there is noted, not an
+    interrupt of a done run."""
+    import ray
+
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "first"}], every=16, max_tokens=8)
+    real, seen = ray.kill, []
+
+    def kill_under_ctrl_c(*a, **k):
+        seen.append(signal.getsignal(signal.SIGINT))
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ray, "kill", kill_under_ctrl_c)
+    try:
+        summary = run_job(job, QUIET)
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C while the workers stopped after the last prompt interrupted a finished run")
+    assert seen and summary.exit_code == EXIT_OK and not summary.interrupted and summary.done == ["a"]
+    assert "error" not in read_attempts(job)[-1]["end"]
 
 
 def test_a_driver_that_loses_its_lock_checkpoints_and_stops(tmp_path, model, capsys):
