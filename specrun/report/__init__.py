@@ -1,7 +1,8 @@
 """`specrun report`: a job's timelines (storage/timeline.py) as one offline HTML page (plotly) and PNGs (matplotlib).
 
-Read-only on the job (the page may go into its folder, never over its files); the plotting libraries are the optional extra specrun[report], imported only when a report is
-made (ReportError names the pip command when they are missing). The page and each PNG are written atomically.
+Read-only on the job (the page may go into its folder, never over its files); the plotting libraries are the optional
+extra specrun[report], imported only when a report is made (ReportError names the pip command when they are missing).
+The page and each PNG are written atomically.
 """
 
 from __future__ import annotations

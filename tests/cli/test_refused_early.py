@@ -84,9 +84,9 @@ def test_submit_refuses_a_name_of_undecodable_bytes_and_a_pipe_without_job_dir(m
 
 def test_submit_names_a_job_dir_it_cannot_create(model, prompts, tmp_path):  # noqa: F811
     (tmp_path / "a_file").write_text("x")
-    _refused(_run(["submit", prompts, "--model", model, "--max-tokens", "4", "-q", "--job-dir", tmp_path / "a_file" / "j"
-                   / "k"]), f"cannot create the job in {tmp_path / 'a_file' / 'j' / 'k'}: {tmp_path / 'a_file'} is a "
-                            "file, not a folder")
+    job = tmp_path / "a_file" / "j" / "k"
+    _refused(_run(["submit", prompts, "--model", model, "--max-tokens", "4", "-q", "--job-dir", job]),
+             f"cannot create the job in {job}: {tmp_path / 'a_file'} is a file, not a folder")
     assert (tmp_path / "a_file").read_text() == "x"
 
 

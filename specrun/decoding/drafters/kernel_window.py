@@ -111,7 +111,7 @@ class DraftWindow:
         sinks, tail = torch.arange(s).expand(Lyr, Hkv, -1), torch.arange(old, length).expand(Lyr, Hkv, -1)
         self.selected = torch.cat([sinks, chosen, tail], dim=2)
         n = self.selected.shape[2]
-        for i in range(Lyr):  # whole rows of D a slot: torch.gather read element by element, ~8x slower at 32K
+        for i in range(Lyr):  # whole rows of D a slot (torch.gather copies element by element: docs/benchmarks.md)
             rows = (torch.arange(Hkv)[:, None] * k.shape[2] + self.selected[i]).view(-1)  # [Hkv * n]
             self.k[i, :, :n] = k[i].reshape(-1, D).index_select(0, rows).view(Hkv, n, D)
             self.v[i, :, :n] = v[i].reshape(-1, D).index_select(0, rows).view(Hkv, n, D)
