@@ -174,12 +174,12 @@ def engine_rates(lm: LoadedModel, prompt_len: int, new_tokens: int) -> list[dict
              "equal_to_ar_eager": equal, "divergence": div} for name, res, s, equal, div in timed]
 
 
-def _generations(lm: LoadedModel, prompt: list[int], params: SamplingParams, runs: dict[str, EngineConfig]
-                 ) -> list[tuple]:
+def _generations(lm: LoadedModel, prompt: list[int], params: SamplingParams, runs: dict[str, EngineConfig],
+                 ref: list[int] | None = None) -> list[tuple]:
     """Each run's second generation of the prompt, timed (the first warms: the cache at its size, the graphs of its
-    buckets), against the first run's tokens. -> (name, result, seconds, equal, divergence as a dict or None: reduced
-    precision parts at a near tie, else a fault)"""
-    out, ref = [], None
+    buckets), against ref (default: the first run's tokens). -> (name, result, seconds, equal, divergence as a dict or
+    None: reduced precision parts at a near tie, else a fault)"""
+    out = []
     for name, cfg in runs.items():
         engine = Engine(lm, cfg)
         engine.generate(prompt, params)
@@ -211,17 +211,19 @@ def quant_draft_rates(lm: LoadedModel, prompt_len: int, new_tokens: int, width: 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     spec = EngineConfig(drafters=("quant",), trie_budget=width, adaptive_budget=False, step_graphs="on",
                         compile_draft="off")
-    runs = {"ar_static": EngineConfig(drafters=(), step_graphs="on"), "spec_quant": spec}
-    static = getattr(fwd, "static", None)  # the depth's CUDA graph (quant_static.py): measured with and without
-    twin = static is None and isinstance(fwd, TorchForward)  # elsewhere its eager twin, so that a dry run runs it
-    if twin:
-        fwd.static = static = StaticDraft(fwd)
+    # the depth's CUDA graph (quant_static.py), elsewhere its eager twin (a dry run runs it), then the eager draft
+    own = getattr(fwd, "static", None)
+    graph = own or (StaticDraft(fwd) if isinstance(fwd, TorchForward) else None)
+    drafts = {"spec_quant": graph, "spec_quant_eager": None} if graph is not None else {"spec_quant": None}
+    gens = _generations(lm, prompt, params, {"ar_static": EngineConfig(drafters=(), step_graphs="on")})
     try:
-        gens = _generations(lm, prompt, params, runs) + (
-            _eager_generations(lm, prompt, params, fwd, spec, static) if static is not None else [])
+        for name, static in drafts.items():
+            if isinstance(fwd, TorchForward):
+                fwd.static = static
+            gens += _generations(lm, prompt, params, {name: spec}, ref=gens[0][1].token_ids)
     finally:
-        if twin:
-            fwd.static = None
+        if isinstance(fwd, TorchForward):
+            fwd.static = own
     out = []
     for name, res, s, equal, div in gens:
         st = res.stats
@@ -229,19 +231,9 @@ def quant_draft_rates(lm: LoadedModel, prompt_len: int, new_tokens: int, width: 
         out.append({"name": name, "tokens_per_s": len(res.token_ids) / s, "mean_accepted": st["mean_accepted"],
                     "step_ms": 1e3 * s / st["steps"], "bits": getattr(fwd, "bits", 4),
                     "draft_ms_per_node": 1e3 * st["phase_seconds"].get("draft", 0.0) / drafted if drafted else None,
-                    "graphs": bool(name == "spec_quant" and static is not None and static.graphs),
+                    "graphs": bool(drafts.get(name) is not None and drafts[name].graphs),
                     "equal_to_ar": equal, "divergence": div})
     return out
-
-
-def _eager_generations(lm, prompt, params, fwd, spec: EngineConfig, static) -> list[tuple]:
-    """The spec_quant run again with the draft's depth eager (its static twin set aside), against static AR."""
-    fwd.static = None
-    try:
-        runs = {"ar_static": EngineConfig(drafters=(), step_graphs="on"), "spec_quant_eager": spec}
-        return _generations(lm, prompt, params, runs)[1:]
-    finally:
-        fwd.static = static
 
 
 def batch_rates(lm: LoadedModel, levels: list[int], prompt_len: int, new_tokens: int,

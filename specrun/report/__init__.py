@@ -8,13 +8,12 @@ The page and each PNG are written atomically.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from specrun.errors import SpecrunError
 from specrun.jobs.jobdir import JobDir
-from specrun.storage.atomic import atomic_write_bytes
+from specrun.storage.atomic import atomic_write_bytes, output_target
 
 NEEDS = ("plotly", "matplotlib")
 INSTALL = "pip install 'specrun[report]'"
@@ -50,8 +49,8 @@ def check_output(job: JobDir, output: Path) -> Path:
     """The page's file as written (a symlink followed), or ValueError: a device or pipe (a rename would destroy it,
     and its PNGs have no folder), or in the job's folder anything but an .html page beside its files (the default
     JOB/report.html): over the job's own files (manifest, prompts, lock, records) the job could not be read again."""
-    real = Path(os.path.realpath(output))
-    if output.exists() and not output.is_file():  # through links (/dev/stdout's to a pipe included)
+    real, regular = output_target(output)
+    if not regular:
         raise ValueError(f"report output {output} is not a regular file (a device or pipe?): give a file name such "
                          f"as report.html")
     if isinstance(job.root, Path):
