@@ -53,6 +53,7 @@ class WorkerSpec:
     page_size: int = 1  # with concurrency > 1 the engine's KV pages hold this many tokens
     workers: int = 1  # the run's workers (a CPU worker's memory budget is its share)
     rope_scaling: str | None = None  # the job's context extension (models/rope.py)
+    tokens_ahead: int = 0  # new tokens the run may ask of this worker: warm() compiles what they pay for
 
 
 def engine_config(d: dict):
@@ -145,8 +146,20 @@ class GenerationWorker:
         return self.info()
 
     def info(self) -> dict:
+        """What the driver shows of a loaded worker; `compiles`: warm() would compile (minutes), not load, a graph."""
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source,
-                "concurrency": self.concurrency}
+                "concurrency": self.concurrency,
+                "compiles": self.engine is not None and self.engine.would_build(self.spec.tokens_ahead)}
+
+    def warm(self) -> dict:
+        """Compile (or load) what the run's tokens pay for before its first prompt (the 4-bit draft's graph: on a
+        first run on a machine a minute or more, which mid-run would stall every sequence); returns info()."""
+        return self.compute.run(self._warm)
+
+    def _warm(self) -> dict:
+        self._load()
+        self.engine.expect(self.spec.tokens_ahead)
+        return self.info()
 
     def save_state(self) -> None:
         """Write the recycling matrix snapshot now (OSError when that fails); the driver calls it at the end."""

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
+from specrun.decoding.drafters import quant_draft as qd
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
-from specrun.decoding.drafters.quant_draft import KVView, QuantDrafter, compiled_draft, draft_cached, quantized
-from specrun.decoding.drafters.quant_draft import draft_batch as quant_batch
+from specrun.decoding.drafters.quant_draft import KVView, QuantDrafter
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import SelfDrafter, draft_batch
 from specrun.decoding.forward.paged_attention import check_paged_backend
@@ -86,9 +86,9 @@ class Engine:
         # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafting = Drafting(names)
-        self.quant = quantized(self.runner.decoder) if "quant" in names else None  # the 4-bit forward all draft through
+        self.quant = qd.quantized(self.runner.decoder) if "quant" in names else None  # the 4-bit forward of all drafts
         if self.quant is not None and config.compile_layers:
-            self.quant = compiled_draft(self.quant, batched=not solo)
+            self.quant = qd.compiled_draft(self.quant, batched=not solo)
         # per (active sequences, greedy), kept across generations: cost follows rows; greedy text pays other widths
         self._tuners: dict[tuple[int, bool], WidthTuner] = {}
         self._shadowing = config.adaptive_budget and shadowable(names)
@@ -130,10 +130,19 @@ class Engine:
     def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
         """Compile what the next sequence pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it runs
         on torch's kernels); admit calls it, a caller may call it first to keep the compile apart."""
+        self.expect(self.asked + params.max_tokens - resumed)
+
+    def would_build(self, tokens: int) -> bool:
+        """Whether expect(tokens) would compile a graph its cache lacks (a minute or more, not a load)."""
+        return qd.compilable(self.quant) and self.config.draft_compiles(tokens) \
+            and not qd.draft_cached(self.quant, not self.solo)
+
+    def expect(self, tokens: int) -> None:
+        """Compile (or load) what generations asking `tokens` new tokens in all pay for: a worker calls it at load
+        with its share of the job, so that no compile stalls its sequences mid-run."""
         several = not self.solo
-        if self.quant is not None and self.config.draft_compiles(self.asked + params.max_tokens - resumed,
-                                                                   lambda: draft_cached(self.quant, several)):
-            self.quant = compiled_draft(self.quant, several)
+        if self.quant is not None and self.config.draft_compiles(tokens, lambda: qd.draft_cached(self.quant, several)):
+            self.quant = qd.compiled_draft(self.quant, several)
             for a in self.active:
                 if a.quant is not None:
                     a.quant.forward = self.quant
@@ -175,7 +184,7 @@ class Engine:
         if drafting:  # one self-draft forward for all: each root over its own partial cache
             draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
         if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
-            quant_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
+            qd.draft_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
         full = self.config.trie_budget
         drafts = [draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device) for a in live]
         t_trie = time.perf_counter()

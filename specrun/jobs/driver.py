@@ -145,6 +145,7 @@ class _Driver(_Slots):
             spec = worker_spec(self.job, self.manifest, self.settings, self.prompts.values(), n, len(queue))
             if not cuda:  # split this machine's cores between the local CPU actors
                 spec = dataclasses.replace(spec, threads=max(1, (os.cpu_count() or 1) // n))
+            spec = dataclasses.replace(spec, tokens_ahead=-(-self.tokens_left // n))
             self.spec = spec
             self.display.log(f"job {self.job.root}: {len(queue)} prompts to run on {n} worker(s)")
             with _Interrupts() as intr:

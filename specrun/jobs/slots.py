@@ -19,12 +19,14 @@ SAVE_STATE_TIMEOUT_S = 10.0  # at the end: longest wait for idle workers to save
 
 @dataclass
 class _Start:
-    """A worker actor on its way up: placed once `ping` answers, ready once `load` returns."""
+    """A worker actor on its way up: placed once `ping` answers, ready once `load` returns (and, where its load says
+    a graph must compile, once `warm` then returns)."""
     ping: object
     load: object
     t0: float
     placed_at: float | None = None
     what: str = "worker"
+    warming: bool = False
 
     def pending(self):
         return self.ping if self.placed_at is None else self.load
@@ -70,6 +72,11 @@ class _Slots:
                 if st.placed_at is not None:
                     if ray.wait([st.load], timeout=0)[0]:
                         info = ray.get(st.load, timeout=0)
+                        if info.get("compiles") and not st.warming:  # before any prompt: nothing stalls mid-run
+                            self.display.log(f"{who}: compiling the 4-bit self-draft for this machine (a minute or "
+                                             f"more, once: later runs load it)")
+                            st.load, st.warming = self.workers[slot].warm.remote(), True
+                            continue
                         del self.starting[slot]
                         seats = info.get("concurrency", 1)
                         self.idle.extend([slot] * seats)  # one seat per sequence it runs at once
@@ -78,7 +85,8 @@ class _Slots:
                         if info.get("hot_start"):
                             self.display.log(f"{who}: recycling matrix warm from {info['hot_start']}")
                     elif now - st.placed_at > self.opts.load_timeout_s:
-                        self._drop(slot, who, f"did not load the model within {self.opts.load_timeout_s:g} s "
+                        self._drop(slot, who, f"did not load the model{' and compile its draft' if st.warming else ''} "
+                                              f"within {self.opts.load_timeout_s:g} s "
                                               f"(RunOptions.load_timeout_s)")
             except ray.exceptions.RayError as e:  # died while starting, or the model failed to load
                 self._drop(slot, who, f"failed while starting: {_cause(e)}")

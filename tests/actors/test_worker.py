@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
-from specrun.decoding.engine import Engine
+from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.verify.sampling import SamplingParams
 from specrun.jobs.modelinfo import model_info
 from specrun.models.loader import load_model
@@ -145,3 +145,36 @@ def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch)
     last = max(int(c.name.split(".")[0].split("-")[-1]) for c in chunks)  # chunk-START-END.parquet
     assert last < len(reference), "the text must end past its last chunk, so that the last row has its own trim"
     assert len(trims) == rows == len(chunks) + 1 > 2
+
+
+@pytest.mark.parametrize("ahead", [99, 100])
+def test_a_worker_compiles_its_draft_when_warmed_not_during_its_prompts(tmp_path, monkeypatch, ahead):
+    """The 4-bit draft on torch's kernels, its graph not cached, compile_draft auto (its mark here 100 tokens): with
+    the run's tokens for this worker (tokens_ahead) past the mark, info() says warm() will compile; warm() compiles
+    it, once, and the prompt then drafts through it with no compile of its own; short of the mark warm() compiles
+    nothing (the prompt's 120 tokens then pass the mark at its admission, as before). Output AR's either way."""
+    from specrun.decoding import config as engine_config
+    from specrun.decoding.drafters import quant_draft
+    from specrun.decoding.drafters.quant_ring import RingForward
+    from specrun.decoding.drafters.quant_torch import TorchForward
+    from specrun.models.tiny import build_tiny_model
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))  # nothing cached
+    monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 100)
+    built, real = [], quant_draft.ring_forward
+    monkeypatch.setattr(quant_draft, "ring_forward", lambda f, batched=False: built.append(batched) or real(f, batched))
+    model = str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=3, seed=5,
+                                 initializer_range=0.3))  # products in groups of 32: the 4-bit draft takes it
+    ar = Engine(load_model(model), EngineConfig(drafters=())).generate([1, 2, 3], PARAMS).token_ids
+    spec = _spec(model, tmp_path / "job", engine={"drafters": ["quant"], "trie_budget": 4, "adaptive_budget": False},
+                 tokens_ahead=ahead)
+    w = GenerationWorker(spec, slot=0)
+    assert isinstance(w.engine.quant, TorchForward) and w.info()["compiles"] is (ahead == 100) and built == []
+    assert w.warm()["compiles"] is False and built == ([False] if ahead == 100 else [])
+    if ahead == 100:
+        ring = w.engine.quant
+        assert isinstance(ring, RingForward) and ring.built == 1
+    assert w.generate(_task())["token_ids"] == ar
+    assert built == [False] and w.engine.quant.calls > 0
+    if ahead == 100:
+        assert w.engine.quant is ring

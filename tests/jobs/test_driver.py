@@ -476,3 +476,31 @@ def test_concurrency_4_on_2_actors_equals_solo_also_after_sigkill_and_resume(tmp
         assert out[pid]["token_ids"] == ref[pid], pid
     assert any(r["resumed_tokens"] > 0 for r in out.values())  # some prompt did resume from its checkpoints
     assert [a["settings"]["concurrency"] for a in job_status(job)["attempts"]] == [4, 4]
+
+
+def test_a_worker_whose_draft_must_compile_is_warmed_before_its_first_prompt(tmp_path, model, monkeypatch, capsys):
+    """A worker whose load says a graph must compile (info "compiles": the 4-bit draft, not cached) gets no prompt
+    until warm() returned, and the run says why it waits; the prompts then run as ever."""
+    from specrun.actors import pool
+    from specrun.actors.worker import GenerationWorker
+
+    class Compiling(GenerationWorker):  # defined here: Ray pickles it by value into the worker process
+        warmed = False
+
+        def info(self) -> dict:
+            return {**super().info(), "compiles": self.engine is not None and not self.warmed}
+
+        def warm(self) -> dict:
+            self.warmed = True
+            return super().warm()
+
+        def generate(self, task: dict) -> dict:
+            if not self.warmed:
+                raise RuntimeError("a prompt before warm()")
+            return super().generate(task)
+
+    monkeypatch.setattr(pool, "GenerationWorker", Compiling)
+    job = _job(tmp_path, model, [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}], max_tokens=24)
+    assert run_job(job, RunOptions()).exit_code == EXIT_OK
+    assert "worker 0: compiling the 4-bit self-draft for this machine" in capsys.readouterr().out
+    assert job_status(job)["totals"]["done"] == 2
