@@ -149,7 +149,8 @@ class GenerationWorker:
         """What the driver shows of a loaded worker; `compiles`: warm() would compile (minutes), not load, a graph."""
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source,
                 "concurrency": self.concurrency,
-                "compiles": self.engine is not None and self.engine.would_build(self.spec.tokens_ahead)}
+                "compiles": self.engine is not None and self.engine.would_build(self.spec.tokens_ahead),
+                "compile_failed": getattr(getattr(self.engine, "quant", None), "_specrun_compile_failed", None)}
 
     def warm(self) -> dict:
         """Compile (or load) what the run's tokens pay for before its first prompt (the 4-bit draft's graph: on a

@@ -75,8 +75,11 @@ class _Slots:
                         if info.get("compiles") and not st.warming:  # before any prompt: nothing stalls mid-run
                             self.display.log(f"{who}: compiling the 4-bit self-draft for this machine (a minute or "
                                              f"more, once: later runs load it)")
-                            st.load, st.warming = self.workers[slot].warm.remote(), True
+                            st.load, st.warming, st.placed_at = self.workers[slot].warm.remote(), True, now
                             continue
+                        if st.warming and info.get("compile_failed"):
+                            self.display.warn(f"{who}: the 4-bit self-draft did not compile ({info['compile_failed']});"
+                                              f" it drafts with the eager one")
                         del self.starting[slot]
                         seats = info.get("concurrency", 1)
                         self.idle.extend([slot] * seats)  # one seat per sequence it runs at once
@@ -85,7 +88,7 @@ class _Slots:
                         if info.get("hot_start"):
                             self.display.log(f"{who}: recycling matrix warm from {info['hot_start']}")
                     elif now - st.placed_at > self.opts.load_timeout_s:
-                        self._drop(slot, who, f"did not load the model{' and compile its draft' if st.warming else ''} "
+                        self._drop(slot, who, f"did not {'compile its draft' if st.warming else 'load the model'} "
                                               f"within {self.opts.load_timeout_s:g} s "
                                               f"(RunOptions.load_timeout_s)")
             except ray.exceptions.RayError as e:  # died while starting, or the model failed to load

@@ -43,3 +43,11 @@ def _batching(settings: dict, prompts: list, workers: int, to_run: int) -> dict:
     need = kv_need(max(p.n_input + p.params.max_tokens for p in prompts), engine["trie_budget"])
     page = page_size_for(settings["device"], need)
     return {"concurrency": n, "auto_concurrency": auto, "kv_need": need, "page_size": page, "workers": workers}
+
+
+def tokens_ahead(prompts: Iterable, saved, workers: int) -> int:
+    """New tokens a worker of the run may be asked for, which its compile decisions at load are made for: its share
+    of what the prompts have left (max_tokens less saved(id), their checkpointed tokens), and at least the longest
+    one's (the worker that runs it asks that much)."""
+    left = [max(0, p.params.max_tokens - saved(p.id)) for p in prompts]
+    return max(-(-sum(left) // max(1, workers)), max(left, default=0))

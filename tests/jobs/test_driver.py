@@ -479,8 +479,9 @@ def test_concurrency_4_on_2_actors_equals_solo_also_after_sigkill_and_resume(tmp
 
 
 def test_a_worker_whose_draft_must_compile_is_warmed_before_its_first_prompt(tmp_path, model, monkeypatch, capsys):
-    """A worker whose load says a graph must compile (info "compiles": the 4-bit draft, not cached) gets no prompt
-    until warm() returned, and the run says why it waits; the prompts then run as ever."""
+    """A worker whose load says its share of the job's tokens (2 prompts x 24 on one worker) compiles a graph (info
+    "compiles": the 4-bit draft, not cached) gets no prompt until warm() returned, and the run says why it waits (and
+    that the compile failed, where it did); the prompts then run as ever."""
     from specrun.actors import pool
     from specrun.actors.worker import GenerationWorker
 
@@ -488,19 +489,26 @@ def test_a_worker_whose_draft_must_compile_is_warmed_before_its_first_prompt(tmp
         warmed = False
 
         def info(self) -> dict:
-            return {**super().info(), "compiles": self.engine is not None and not self.warmed}
+            return {**super().info(), "compiles": self.engine is not None and not self.warmed
+                    and self.spec.tokens_ahead >= 48, "compile_failed": "RuntimeError: no compiler" if self.warmed
+                    else None}
 
         def warm(self) -> dict:
+            time.sleep(2)  # a prompt sent before warm() returned would arrive meanwhile
+            super().warm()
             self.warmed = True
-            return super().warm()
+            return self.info()
 
         def generate(self, task: dict) -> dict:
             if not self.warmed:
-                raise RuntimeError("a prompt before warm()")
+                raise RuntimeError("a prompt before warm() returned")
             return super().generate(task)
 
     monkeypatch.setattr(pool, "GenerationWorker", Compiling)
     job = _job(tmp_path, model, [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}], max_tokens=24)
     assert run_job(job, RunOptions()).exit_code == EXIT_OK
-    assert "worker 0: compiling the 4-bit self-draft for this machine" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "worker 0: compiling the 4-bit self-draft for this machine" in said.out
+    assert "worker 0: the 4-bit self-draft did not compile (RuntimeError: no compiler); it drafts with the eager one" \
+        in said.err
     assert job_status(job)["totals"]["done"] == 2

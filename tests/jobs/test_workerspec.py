@@ -1,0 +1,21 @@
+"""What the driver tells its workers: the tokens a worker's compile decisions at load are made for."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from specrun.jobs.workerspec import tokens_ahead
+
+
+def _prompt(pid: str, max_tokens: int):
+    return SimpleNamespace(id=pid, params=SimpleNamespace(max_tokens=max_tokens))
+
+
+def test_a_workers_tokens_ahead_are_its_share_of_what_is_left_and_at_least_the_longest_prompt():
+    prompts = [_prompt("a", 8000), _prompt("b", 100), _prompt("c", 1024)]
+    saved = {"a": 0, "b": 100, "c": 1000}.get  # b is finished but for its row, c resumes 24 tokens short of its end
+    assert tokens_ahead(prompts, saved, 2) == 8000  # the worker that runs a asks that much, whatever the split
+    assert tokens_ahead(prompts, lambda p: {"a": 7990}.get(p, 0), 1) == 10 + 100 + 1024
+    assert tokens_ahead([_prompt(str(i), 1024) for i in range(4)], lambda p: 1000, 1) == 96  # resumed: what is left
+    assert tokens_ahead([_prompt(str(i), 1024) for i in range(8)], lambda p: 0, 2) == 4096
+    assert tokens_ahead([], lambda p: 0, 3) == 0
