@@ -225,11 +225,15 @@ class OutputStore:
 
     def scan(self, keymap: dict[str, str], columns=("id", "n_tokens"), verify: bool = False) -> Scan:
         """Small columns of every readable row (not token_ids or text unless asked): cheap for status and the
-        driver. A file is readable here when its footer and these columns are. With `verify`, each row is also
-        checked against its checksum (reading its token ids and text, one row group at a time): a row that does
-        not match is not found, and its id is in Scan.damaged."""
+        driver. A file is readable here when its footer and these columns are. With `verify` (status), every column
+        is read, one row group at a time, as export reads it (a row group export cannot read is not found here
+        either), and each row is checked against its checksum: a row that does not match is not found, and its id
+        is in Scan.damaged."""
         cols = list(dict.fromkeys(["id", *columns]))
-        read = list(dict.fromkeys([*cols, *CHECKED])) if verify else cols
+
+        def read_of(pf) -> list[str]:  # with verify: the checked ones (a file lacking one is unreadable) and its others
+            return list(dict.fromkeys([*cols, *CHECKED, *(n for n in pf.schema_arrow.names if n in OUTPUT.names)])) \
+                if verify else cols
         for _ in range(SNAPSHOT_TRIES):
             snap = self.snapshot(keymap)
             found, in_parts, damaged = {}, set(), set()
@@ -237,11 +241,13 @@ class OutputStore:
                 for src in sorted(snap.sources, key=lambda s: -s.level):  # merged first
                     try:
                         if src.pf is not None:
+                            read = read_of(src.pf)
                             tables = (src.pf.read_row_group(g, columns=read)
                                       for g in range(src.pf.metadata.num_row_groups))
                             rows = [r for t in tables for r in _checked(t, read, cols, verify, damaged)]
                         else:
                             with open_parquet(src.path) as pf:
+                                read = read_of(pf)
                                 t = pf.read(columns=read)
                             if t.num_rows != 1 or t.column("id")[0].as_py() != src.ids[0]:
                                 raise ValueError("it does not hold the row its name says")

@@ -333,6 +333,29 @@ def test_status_names_an_output_file_it_cannot_read(job_a):
         out.write_bytes(data)
 
 
+
+def test_status_does_not_call_done_a_row_export_cannot_read(job_a):
+    """A page of a column the row checksum does not cover (prompt_tokens) damaged: export cannot read that row
+    group, so status does not count its prompts done either; it names the file."""
+    out = next((job_a / "outputs").glob("merged.*.parquet"))
+    data = out.read_bytes()
+    meta = pq.ParquetFile(out).metadata
+    assert meta.num_row_groups == 1
+    chunk = meta.row_group(0).column(meta.schema.to_arrow_schema().get_field_index("prompt_tokens"))
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    damaged = bytearray(data)
+    damaged[start + chunk.total_compressed_size - 2] ^= 0xFF  # in its last page's values (its CRC now disagrees)
+    out.write_bytes(bytes(damaged))
+    try:
+        exported = _cli("export", job_a, "--format", "jsonl")
+        assert not [x for x in exported.stdout.splitlines() if x.startswith("{")], exported.output
+        st = json.loads(_cli("status", job_a, "--json").stdout)
+        assert {p["state"] for p in st["prompts"]} == {"pending"}, st["prompts"]
+        assert any(out.name in x and "unreadable" in x for x in st["problems"]), st["problems"]
+    finally:
+        out.write_bytes(data)
+
+
 # -- 9. a signal before Ray is up ------------------------------------------------------------------------------
 
 def test_sigterm_while_the_prompts_are_read_takes_the_clean_path(model, tmp_path):
