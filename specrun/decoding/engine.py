@@ -138,8 +138,8 @@ class Engine:
             and not qd.draft_cached(self.quant, not self.solo)
 
     def expect(self, tokens: int) -> None:
-        """Compile (or load) what generations asking `tokens` new tokens in all pay for: a worker calls it at load
-        with its share of the job, so that no compile stalls its sequences mid-run."""
+        """Compile (or load) what generations asking `tokens` new tokens in all pay for (a job's worker: at warm(),
+        for its share of the job, before any prompt)."""
         several = not self.solo
         if self.quant is not None and self.config.draft_compiles(tokens, lambda: qd.draft_cached(self.quant, several)):
             self.quant = qd.compiled_draft(self.quant, several)

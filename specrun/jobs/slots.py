@@ -1,5 +1,5 @@
-"""The driver's worker slots: starting (placed once `ping` answers, ready once `load` returns, each with a deadline) ->
-idle <-> busy; a lost worker is relaunched; one past a deadline, or failing to start, is dropped with a warning, and
+"""The driver's worker slots: starting (placed once `ping` answers, ready once `load` returns, or once `warm` then
+returns where load says a graph must compile: each with a deadline) -> idle <-> busy; a lost worker is relaunched; one past a deadline, or failing to start, is dropped with a warning, and
 with none left the run ends with a JobError naming what is missing (the job stays resumable).
 
 A mixin of jobs.driver._Driver (it uses self.spec, self.gpus, self.opts, self.display, self.job, the slot dicts,
@@ -52,7 +52,8 @@ class _Slots:
             self.display.warn(f"{who} {why}; going on with {len(self.workers)} worker(s)")
 
     def _poll_starting(self) -> None:
-        """Moves workers that are up to idle; drops those past their placement or load deadline, or that failed."""
+        """Moves workers that are up to idle (warming first those whose load says a graph compiles); drops those past
+        their placement, load or warm deadline, or that failed."""
         import ray
 
         from specrun.actors.pool import describe_resources
@@ -77,7 +78,7 @@ class _Slots:
                                              f"more, once: later runs load it)")
                             st.load, st.warming, st.placed_at = self.workers[slot].warm.remote(), True, now
                             continue
-                        if st.warming and info.get("compile_failed"):
+                        if info.get("compile_failed"):
                             self.display.warn(f"{who}: the 4-bit self-draft did not compile ({info['compile_failed']});"
                                               f" it drafts with the eager one")
                         del self.starting[slot]

@@ -73,9 +73,6 @@ class Scan:
     damaged: set[str] = field(default_factory=set)  # ids whose only rows do not match their checksum (verify)
 
 
-CHECKED = ("id", "token_ids", "text", "finish_reason", "checksum")  # what a row's checksum covers
-
-
 def _checked(table: pa.Table, read: list[str], cols: list[str], verify: bool, damaged: set) -> list[dict]:
     """The rows of `table` (read for `read`) as dicts of `cols`; with `verify`, those that match their checksum
     (the ids of the others go to `damaged`)."""
@@ -226,14 +223,10 @@ class OutputStore:
     def scan(self, keymap: dict[str, str], columns=("id", "n_tokens"), verify: bool = False) -> Scan:
         """Small columns of every readable row (not token_ids or text unless asked): cheap for status and the
         driver. A file is readable here when its footer and these columns are. With `verify` (status), every column
-        is read, one row group at a time, as export reads it (a row group export cannot read is not found here
-        either), and each row is checked against its checksum: a row that does not match is not found, and its id
-        is in Scan.damaged."""
+        is read and checked as export reads and checks it (one row group at a time): a row that does not match its
+        checksum, or whose file's columns are not OUTPUT's, is not found, and its id is in Scan.damaged."""
         cols = list(dict.fromkeys(["id", *columns]))
-
-        def read_of(pf) -> list[str]:  # with verify: the checked ones (a file lacking one is unreadable) and its others
-            return list(dict.fromkeys([*cols, *CHECKED, *(n for n in pf.schema_arrow.names if n in OUTPUT.names)])) \
-                if verify else cols
+        read = None if verify else cols
         for _ in range(SNAPSHOT_TRIES):
             snap = self.snapshot(keymap)
             found, in_parts, damaged = {}, set(), set()
@@ -241,13 +234,11 @@ class OutputStore:
                 for src in sorted(snap.sources, key=lambda s: -s.level):  # merged first
                     try:
                         if src.pf is not None:
-                            read = read_of(src.pf)
                             tables = (src.pf.read_row_group(g, columns=read)
                                       for g in range(src.pf.metadata.num_row_groups))
                             rows = [r for t in tables for r in _checked(t, read, cols, verify, damaged)]
                         else:
                             with open_parquet(src.path) as pf:
-                                read = read_of(pf)
                                 t = pf.read(columns=read)
                             if t.num_rows != 1 or t.column("id")[0].as_py() != src.ids[0]:
                                 raise ValueError("it does not hold the row its name says")

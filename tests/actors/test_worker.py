@@ -183,3 +183,27 @@ def test_a_worker_compiles_its_draft_when_warmed_not_during_its_prompts(tmp_path
         assert w.engine.quant is ring
     again = GenerationWorker(dataclasses.replace(spec, job_dir=str(tmp_path / "job2")), slot=0)  # cached now
     assert again.info()["compiles"] is False and again.warm()["compile_failed"] is None
+
+
+def test_a_worker_reports_a_draft_compile_that_failed(tmp_path, monkeypatch):
+    """Where the draft's graph does not build (no C++ compiler, an inductor error), warm() says why (the driver warns:
+    a worker's stderr does not reach the user), drafts with the eager draft, and does not try again."""
+    from specrun.decoding import config as engine_config
+    from specrun.decoding.drafters.quant_ring import RingForward
+    from specrun.decoding.drafters.quant_torch import TorchForward
+    from specrun.models.tiny import build_tiny_model
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 100)
+
+    def fails(self, batched=False):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(RingForward, "warm", fails)
+    model = str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=3, seed=5,
+                                 initializer_range=0.3))
+    w = GenerationWorker(_spec(model, tmp_path / "job", engine={"drafters": ["quant"]}, tokens_ahead=100), slot=0)
+    assert w.info()["compiles"] is True and w.info()["compile_failed"] is None
+    info = w.warm()
+    assert info["compile_failed"] == "RuntimeError: no compiler here" and info["compiles"] is False
+    assert isinstance(w.engine.quant, TorchForward)

@@ -333,7 +333,6 @@ def test_status_names_an_output_file_it_cannot_read(job_a):
         out.write_bytes(data)
 
 
-
 def test_status_does_not_call_done_a_row_export_cannot_read(job_a):
     """A page of a column the row checksum does not cover (prompt_tokens) damaged: export cannot read that row
     group, so status does not count its prompts done either; it names the file."""
