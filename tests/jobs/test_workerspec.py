@@ -19,3 +19,25 @@ def test_a_workers_tokens_ahead_are_its_share_of_what_is_left_and_at_least_the_l
     assert tokens_ahead([_prompt(str(i), 1024) for i in range(4)], lambda p: 1000, 1) == 96  # resumed: what is left
     assert tokens_ahead([_prompt(str(i), 1024) for i in range(8)], lambda p: 0, 2) == 4096
     assert tokens_ahead([], lambda p: 0, 3) == 0
+
+
+def test_the_driver_counts_each_prompts_checkpointed_tokens(tmp_path, tiny_models):
+    """What tokens_ahead subtracts: a prompt's checkpointed tokens (its progress chunks' names), 0 without any."""
+    import json
+
+    from specrun.decoding.engine import EngineConfig
+    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.jobs.driver import _Driver
+    from specrun.jobs.modelinfo import model_info
+    from specrun.jobs.runopts import RunOptions
+    from specrun.jobs.submit import JobSettings, prepare_job
+    from specrun.storage.chunks import write_chunk
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": i}) + "\n" for i in ("a/1", "b")))
+    job, _ = prepare_job(path, tmp_path / "job", model_info(tiny_models["llama_mha"]), JobSettings(),
+                         SamplingParams(max_tokens=100), EngineConfig())
+    write_chunk(job.progress_dir("a/1"), 0, list(range(16)))
+    write_chunk(job.progress_dir("a/1"), 16, list(range(24)))
+    saved = _Driver(job, RunOptions(quiet=True), {})._saved()
+    assert (saved("a/1"), saved("b")) == (40, 0)
