@@ -147,12 +147,12 @@ def test_a_failed_timeline_write_is_retried_at_the_next_checkpoint(model, tmp_pa
 def test_no_room_for_a_checkpoint_stops_the_generation_and_says_so(model, tmp_path, monkeypatch):
     """A full disk refusing the tokens themselves stops the generation at once (what follows could not be kept
     either); the driver sees disk_full and starts no more prompts. Other ENOSPC writes are retried (above)."""
-    import specrun.actors.worker as worker_mod
+    from specrun.actors import checkpointer
 
     def full(*a, **kw):
         raise OSError(28, "No space left on device", "progress/chunk")
 
-    monkeypatch.setattr(worker_mod, "write_chunk", full)
+    monkeypatch.setattr(checkpointer, "write_chunk", full)
     res = _worker(model, tmp_path, checkpoint_every=30).generate(_task())
     assert res["stopped"] and "No space left" in res["disk_full"]
     assert res["n_tokens"] < 60  # stopped at the first checkpoint, not generated to the end (150)

@@ -93,6 +93,7 @@ def test_failed_checkpoint_status_and_matrix_writes_are_retried_not_fatal(model,
     stops the generation instead, test_timeline; disk full for the others): the prompt still finishes with the same
     tokens, every token gets checkpointed at a later checkpoint, and the failures are reported."""
     import specrun.actors.worker as worker_mod
+    from specrun.actors import checkpointer
 
     w = GenerationWorker(_spec(model, tmp_path, checkpoint_every=16), slot=0)
     failed = set()
@@ -107,10 +108,10 @@ def test_failed_checkpoint_status_and_matrix_writes_are_retried_not_fatal(model,
             return real(*a, **kw)
         return f
 
-    monkeypatch.setattr(worker_mod, "write_chunk", once("chunk", worker_mod.write_chunk))
+    monkeypatch.setattr(checkpointer, "write_chunk", once("chunk", checkpointer.write_chunk))
     monkeypatch.setattr(worker_mod, "save_matrix", once("matrix", worker_mod.save_matrix))
     monkeypatch.setattr(w.records, "write_live", once("live", w.records.write_live))
-    with caplog.at_level("WARNING", logger="specrun.actors.worker"):
+    with caplog.at_level("WARNING", logger="specrun.actors.checkpointer"):
         res = w.generate(_task())
     assert failed == {"chunk", "matrix", "live"}
     assert res["token_ids"] == reference
@@ -134,10 +135,10 @@ def test_worker_refuses_a_job_directory_other_than_the_drivers(model, tmp_path):
 def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch):
     """The C heap's free pages go back to the OS at every checkpoint (actors/heap.py) and before the last timeline
     row (the tokens after the last chunk), so that every row's RSS is the memory in use; not at every step."""
-    from specrun.actors import worker
+    from specrun.actors import checkpointer
 
     trims = []
-    monkeypatch.setattr(worker, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(checkpointer, "trim_heap", lambda: trims.append(1))
     # plain AR, a token a step: a chunk every 16 tokens whatever the width tuner would choose on this host's clock
     spec = _spec(model, tmp_path, checkpoint_every=16, checkpoint_seconds=1000, engine={"drafters": []})
     assert GenerationWorker(spec, slot=0).generate(_task())["token_ids"] == reference
