@@ -141,7 +141,7 @@ class GenerationWorker:
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source,
                 "concurrency": self.concurrency,
                 "compiles": self.engine is not None and self.engine.would_build(self.spec.tokens_ahead),
-                "compile_failed": getattr(getattr(self.engine, "quant", None), "_specrun_compile_failed", None)}
+                "compile_failed": self.engine.draft_compile_error if self.engine is not None else None}
 
     def warm(self) -> dict:
         """Compile (or load) what the run's tokens pay for before its first prompt (the 4-bit draft's graph: on a

@@ -26,8 +26,8 @@ from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import FusedDrafter, TreeTemplate
 from specrun.decoding.forward.attention import check_backend
 from specrun.decoding.forward.decoder import FusedDecoder
+from specrun.decoding.forward.paged_attention import check_paged_backend
 
-RECYCLING_K = 8
 # compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all, where
 # the first compile on a machine (~1-3 minutes) pays (docs/benchmarks.md); a cached one loads at once
 COMPILE_DRAFT_TOKENS = 4096
@@ -154,6 +154,23 @@ def build_drafters(names: tuple[str, ...], config: EngineConfig, heads: DraftHea
     if quant is not None and ngram is not None and ngram.topk:
         quant.copy = ngram.copy  # where the copy drafts, it leads
     return drafters
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How many sequences a step carries and where their K/V live. One: the runner's contiguous cache, sized at each
+    admission (solo_runner.py); several: a paged pool of kv_tokens slots (paged_runner.py)."""
+
+    concurrency: int = 1  # most sequences in one step
+    kv_tokens: int = 65536  # KV slots in the pool of several (the memory budget); admission never over-commits it
+    page_size: int = 1  # P = 1: committing accepted nodes is a page-table edit
+    backend: str = "auto"  # paged_attention.PAGED_BACKENDS, or auto (resolve_backend: by dtype and device)
+
+    def __post_init__(self):
+        for name in ("concurrency", "kv_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_paged_backend(self.backend)
 
 
 @dataclass

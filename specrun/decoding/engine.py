@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specrun.decoding.config import RECYCLING_K, EngineConfig, GenerationResult, build_drafters, resolve_drafting
+from specrun.decoding.config import BatchConfig, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters import quant_draft as qd
 from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.protocol import Drafter
 from specrun.decoding.drafters.quant_draft import KVView, QuantDrafter
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.drafters.self_draft import SelfDrafter, draft_batch
-from specrun.decoding.forward.paged_attention import check_paged_backend
 from specrun.decoding.forward.paged_runner import PagedRunner
 from specrun.decoding.forward.solo_runner import SoloRunner
 from specrun.decoding.stats import GenStats
@@ -32,23 +31,7 @@ from specrun.decoding.width.shadow import Shadow, shadowable
 from specrun.decoding.width.tuner import WidthTuner
 
 __all__ = ["BatchConfig", "Engine", "EngineConfig", "GenerationResult"]
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """How many sequences a step carries and where their K/V live. One: the runner's contiguous cache, sized at each
-    admission (solo_runner.py); several: a paged pool of kv_tokens slots (paged_runner.py)."""
-
-    concurrency: int = 1  # most sequences in one step
-    kv_tokens: int = 65536  # KV slots in the pool of several (the memory budget); admission never over-commits it
-    page_size: int = 1  # P = 1: committing accepted nodes is a page-table edit
-    backend: str = "auto"  # paged_attention.PAGED_BACKENDS, or auto (resolve_backend: by dtype and device)
-
-    def __post_init__(self):
-        for name in ("concurrency", "kv_tokens", "page_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        check_paged_backend(self.backend)
+RECYCLING_K = 8  # next-token candidates the recycling matrix keeps per token
 
 
 @dataclass
@@ -136,6 +119,11 @@ class Engine:
         """Whether expect(tokens) would compile a graph its cache lacks (a minute or more, not a load)."""
         return qd.compilable(self.quant) and self.config.draft_compiles(tokens) \
             and not qd.draft_cached(self.quant, not self.solo)
+
+    @property
+    def draft_compile_error(self) -> str | None:
+        """Why the 4-bit draft's graph did not compile (it then drafts eagerly), or None."""
+        return getattr(self.quant, "_specrun_compile_failed", None)
 
     def expect(self, tokens: int) -> None:
         """Compile (or load) what generations asking `tokens` new tokens in all pay for (a job's worker: at warm(),

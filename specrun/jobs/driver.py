@@ -33,9 +33,7 @@ from specrun.jobs.runopts import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOpti
 from specrun.jobs.slots import _cause, _Slots, _Start
 from specrun.jobs.snapshot import Snapshot
 from specrun.jobs.workerspec import tokens_ahead, worker_spec
-from specrun.storage.chunks import progress_count, read_progress
-from specrun.storage.fs import fs_of
-from specrun.storage.names import id_key
+from specrun.storage.chunks import read_progress
 from specrun.storage.outputs import is_foreign
 from specrun.storage.records import output_row
 
@@ -147,7 +145,7 @@ class _Driver(_Slots):
             spec = worker_spec(self.job, self.manifest, self.settings, self.prompts.values(), n, len(queue))
             if not cuda:  # split this machine's cores between the local CPU actors
                 spec = dataclasses.replace(spec, threads=max(1, (os.cpu_count() or 1) // n))
-            spec = dataclasses.replace(spec, tokens_ahead=tokens_ahead(queue, self._saved(), n))
+            spec = dataclasses.replace(spec, tokens_ahead=tokens_ahead(queue, self.rec.checkpointed(), n))
             self.spec = spec
             self.display.log(f"job {self.job.root}: {len(queue)} prompts to run on {n} worker(s)")
             with _Interrupts() as intr:
@@ -172,11 +170,6 @@ class _Driver(_Slots):
                 self.workers.clear()
                 if started:
                     ray.shutdown()
-
-    def _saved(self):
-        """prompt id -> its checkpointed tokens (file names only), for the prompts with a progress folder."""
-        have = set(fs_of(self.rec.progress).list(self.rec.progress))
-        return lambda pid: progress_count(self.rec.progress / key) if (key := id_key(pid)) in have else 0
 
     def _loop(self, queue: deque, intr: _Interrupts) -> None:
         import ray

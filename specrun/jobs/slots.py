@@ -1,6 +1,7 @@
 """The driver's worker slots: starting (placed once `ping` answers, ready once `load` returns, or once `warm` then
-returns where load says a graph must compile: each with a deadline) -> idle <-> busy; a lost worker is relaunched; one past a deadline, or failing to start, is dropped with a warning, and
-with none left the run ends with a JobError naming what is missing (the job stays resumable).
+returns where load says a graph must compile: each with a deadline) -> idle <-> busy; a lost worker is relaunched;
+one past a deadline, or failing to start, is dropped with a warning, and with none left the run ends with a JobError
+naming what is missing (the job stays resumable).
 
 A mixin of jobs.driver._Driver (it uses self.spec, self.gpus, self.opts, self.display, self.job, the slot dicts,
 and for a lost worker's prompts self.attempts, self.prompts, self.lost_nodes and self._fail).

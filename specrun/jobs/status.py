@@ -13,7 +13,6 @@ from specrun.jobs.attempts import describe, read_attempts
 from specrun.jobs.detach import describe_detached, detached_status
 from specrun.jobs.jobdir import JobDir
 from specrun.storage.atomic import read_json
-from specrun.storage.chunks import progress_count
 from specrun.storage.fs import fs_of
 from specrun.storage.names import id_key
 from specrun.storage.outputs import is_foreign
@@ -42,7 +41,8 @@ def job_status(job: JobDir) -> dict:
     rec = job.records
     prompts, _ = job.prompt_infos()
     # listed before the outputs are read: a marker seen here had its row durable before, so the scan finds it
-    markers, failed, live, progress = (_names(d) for d in (rec.done, rec.failed, rec.live, rec.progress))
+    markers, failed, live = (_names(d) for d in (rec.done, rec.failed, rec.live))
+    checkpointed = rec.checkpointed()
     scan = rec.scan([p.id for p in prompts], OUT_COLUMNS, verify=True)
     outputs = scan.rows
     rows = []
@@ -51,18 +51,17 @@ def job_status(job: JobDir) -> dict:
         key = id_key(p.id)
         row = {"id": p.id, "line": p.line, "max_tokens": p.params.max_tokens, "tokens": 0, "tokens_per_s": None,
                "mean_accepted": None, "eta_s": None, "finish_reason": None, "error": None}
-        saved = (lambda: progress_count(rec.progress / key)) if key in progress else (lambda: 0)
         if (o := outputs.get(p.id)) is not None:
             row.update(state="done", tokens=o["n_tokens"], tokens_per_s=o["tokens_per_s"],
                        mean_accepted=o["mean_accepted"], finish_reason=o["finish_reason"], eta_s=0.0)
         elif p.id in scan.damaged:
-            row.update(state="repair", tokens=saved(), error="its output row does not match its checksum (damaged); "
+            row.update(state="repair", tokens=checkpointed(p.id), error="its output row does not match its checksum (damaged); "
                                                              "`specrun resume` generates it again")
         elif f"{key}.json" in markers:  # a done marker without a readable output row: resume regenerates it
-            row.update(state="repair", tokens=saved(),
+            row.update(state="repair", tokens=checkpointed(p.id),
                        error=f"{rec.output_problem(p.id)}; `specrun resume` generates it again")
         elif f"{key}.json" in failed and (f := _read(rec.failed / f"{key}.json")) is not None:
-            row.update(state="failed", error=f.get("error"), tokens=saved())
+            row.update(state="failed", error=f.get("error"), tokens=checkpointed(p.id))
         else:
             info = _read(rec.live / f"{key}.json") if f"{key}.json" in live else None
             if info and driver_up and now - info.get("updated_at", 0) < LIVE_FRESH_S:
@@ -72,7 +71,7 @@ def job_status(job: JobDir) -> dict:
                            mean_accepted=info.get("mean_accepted"), eta_s=left / rate if rate > 0 else None,
                            worker=f"{info.get('host', '?')}/{info.get('slot', '?')}")
             else:
-                row.update(state="pending", tokens=saved())
+                row.update(state="pending", tokens=checkpointed(p.id))
         rows.append(row)
     counts = {s: 0 for s in STATES}
     for r in rows:

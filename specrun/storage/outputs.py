@@ -32,7 +32,6 @@ from specrun.storage.names import id_key
 from specrun.storage.rowfiles import Source, bad_rows, gone, merge_batches, merge_rows, open_parquet, row_writer
 from specrun.storage.schemas import OUTPUT
 
-
 PART = re.compile(r"^([A-Za-z0-9_-]+-[0-9a-f]{16})\.parquet$")
 MERGED = re.compile(r"^merged\.(\d+)\.[0-9a-f]{16}\.parquet$")
 PARTS_PER_MERGE = 256  # the driver merges parts once this many have accumulated
@@ -73,8 +72,9 @@ class Scan:
     damaged: set[str] = field(default_factory=set)  # ids whose only rows do not match their checksum (verify)
 
 
-def _checked(table: pa.Table, read: list[str], cols: list[str], verify: bool, damaged: set) -> list[dict]:
-    """The rows of `table` (read for `read`) as dicts of `cols`; with `verify`, those that match their checksum
+def _checked(table: pa.Table, read: list[str] | None, cols: list[str], verify: bool, damaged: set
+             ) -> list[dict]:
+    """The rows of `table` (read for `read`, None: every column) as dicts of `cols`; with `verify`, those that match their checksum
     (the ids of the others go to `damaged`)."""
     if not verify:
         return table.to_pylist()

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from specrun.storage import merging
 from specrun.storage.atomic import atomic_write_json, read_json
+from specrun.storage.chunks import progress_count
 from specrun.storage.fs import fs_of, job_path
 from specrun.storage.names import id_key
 from specrun.storage.outputs import Compaction, OutputStore, Scan, order_key
@@ -85,6 +86,12 @@ class Records:
                                                      "output": f"outputs/{key}.parquet"}, durable=False)
         self.fs.delete(self.failed / f"{key}.json")
         self.fs.delete(self.live / f"{key}.json")
+
+    def checkpointed(self):
+        """prompt id -> its checkpointed tokens, from chunk file names (cheap, not validated) and one listing of
+        progress/ made now."""
+        have = set(self.fs.list(self.progress))
+        return lambda pid: progress_count(self.progress / key) if (key := id_key(pid)) in have else 0
 
     def drop_progress(self, prompt_id: str) -> None:
         """Remove a finished prompt's progress chunks: call only once its output row is durable."""

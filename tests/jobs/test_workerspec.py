@@ -22,14 +22,13 @@ def test_a_workers_tokens_ahead_are_its_share_of_what_is_left_and_at_least_the_l
 
 
 def test_the_driver_counts_each_prompts_checkpointed_tokens(tmp_path, tiny_models):
-    """What tokens_ahead subtracts: a prompt's checkpointed tokens (its progress chunks' names), 0 without any."""
+    """What the driver's tokens_ahead subtracts (Records.checkpointed, which status shows too): a prompt's checkpointed
+    tokens (its progress chunks' names), 0 without any."""
     import json
 
     from specrun.decoding.engine import EngineConfig
     from specrun.decoding.verify.sampling import SamplingParams
-    from specrun.jobs.driver import _Driver
     from specrun.jobs.modelinfo import model_info
-    from specrun.jobs.runopts import RunOptions
     from specrun.jobs.submit import JobSettings, prepare_job
     from specrun.storage.chunks import write_chunk
 
@@ -39,5 +38,5 @@ def test_the_driver_counts_each_prompts_checkpointed_tokens(tmp_path, tiny_model
                          SamplingParams(max_tokens=100), EngineConfig())
     write_chunk(job.progress_dir("a/1"), 0, list(range(16)))
     write_chunk(job.progress_dir("a/1"), 16, list(range(24)))
-    saved = _Driver(job, RunOptions(quiet=True), {})._saved()
+    saved = job.records.checkpointed()
     assert (saved("a/1"), saved("b")) == (40, 0)
