@@ -77,6 +77,7 @@ def _run_row(name: str, kind: str, ms: list[Measurement], by_name: dict) -> dict
         row["draft_compile_seconds"] = st[0].get("draft_compile_seconds")  # once per process, before the timed steps
         row["draft_packages_built"] = st[0].get("draft_packages_built")  # 0: loaded from the cache
         row["draft_eager"] = bool(st[0].get("draft_eager"))  # torch's 4-bit draft ran uncompiled
+        row["layers_packages"] = st[0].get("layers_packages")  # compiled layers: seconds building or loading each
     else:
         row["mean_accepted"] = None
     return row

@@ -168,6 +168,10 @@ class _Stepped:
         self.draft_compile_s = getattr(draft, "compile_seconds", None)  # loading (or building) its packages
         self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
         self.draft_eager = compilable(draft)  # torch's 4-bit draft left uncompiled (a failed compile warned already)
+        layers = engine.runner.decoder.compiled if engine.runner.compiled else None
+        self.layers = None if layers is None else {  # its packages: built here, or loaded from the cache (seconds)
+            "built": {("1 row", "n rows")[k == 0]: s for k, s in layers.compile_seconds.items()},
+            "loaded": {("1 row", "n rows")[k == 0]: s for k, s in layers.load_seconds.items()}}
         self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None
@@ -192,7 +196,7 @@ class _Stepped:
         stats = {**self.result.stats, "seconds": self.seconds, "tokens_per_s": n / self.seconds if self.seconds else 0.0,
                  "draft_compile_seconds": self.draft_compile_s,  # loading or building the draft's packages, untimed
                  "draft_packages_built": self.draft_built,  # (both summed over the runs sharing its decoder)
-                 "draft_eager": self.draft_eager}
+                 "draft_eager": self.draft_eager, "layers_packages": self.layers}
         return self.result.token_ids, self.seconds, self.clock.at, stats
 
 

@@ -96,11 +96,12 @@ engine_options = stack_options(
                  help="Attention backend: sdpa (one masked call, the reference) or split (unmasked prefix + masked "
                       "trie, merged by log-sum-exp)."),
     click.option("--compile", "compile_layers", is_flag=True,
-                 help="CPU: run forwards of up to 64 rows through the layers compiled by torch.compile (inductor, "
-                      "weights frozen in; ~1.8x faster layers on smollm2, AVX2), and the 4-bit self-draft as one "
-                      "compiled graph a token for every drafting sequence. Everything compiles at start (~90 s a row bucket on smollm2 "
-                      "with 2 threads, every process; the draft ~1 minute once per machine, then ~1 s from the cache): "
-                      "for long runs. Where specrun's own kernels run, they stay."),
+                 help="CPU: run forwards of up to 64 rows through the layers compiled ahead of time by inductor "
+                      "(AOTInductor, weights frozen in), and the 4-bit self-draft as one compiled graph a token for "
+                      "every drafting sequence. Built once per machine and model (about a minute a package on smollm2 "
+                      "with 2 threads: the layers for one row a forward and for several, the draft), kept in the "
+                      "specrun cache and loaded in a second or two by later runs. Where specrun's own kernels run, "
+                      "they stay."),
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                  help="CPUs where specrun's kernels do not run: the 4-bit self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "

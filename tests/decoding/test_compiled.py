@@ -1,25 +1,28 @@
-"""Compiled layers (inductor, weights frozen in): the eager layers' results within rounding, padded rows invisible in
-the cache, no compile inside a forward, and engines through them (solo and batched) emit their plain AR tokens."""
+"""Compiled layers (AOTInductor packages, weights frozen in): the eager layers' results within rounding, no compile
+inside a forward, a later process loads the packages (holding no copy of the model's weights) and gets the same rows,
+and engines through them (solo and batched) emit their plain AR tokens."""
 
+import json
 import shutil
+import zipfile
 
 import pytest
 import torch
 
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
-from specrun.decoding.forward.compiled import BUCKETS, bucket_of
+from specrun.decoding.forward.compiled import MAX_ROWS, CompiledLayers, _key
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.verify.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="inductor compiles C++: no compiler here")
 
-WARM = 4  # buckets 1, 2, 4: each compiles once per model object (module-scoped models below)
+WARM = 4  # rows a forward: both packages (one row, several), built once per session cache
 
 
 @pytest.fixture(scope="module")
 def models(tiny_models):
-    """Float32 qwen3 (GQA, q/k norms), loaded once: its decoder's buckets compile once for the module (~10 s each)."""
+    """Float32 qwen3 (GQA, q/k norms), loaded once: its decoder's packages are built once (~20 s each)."""
     from specrun.models.loader import load_model
 
     loaded = {name: load_model(tiny_models[name], dtype="float32") for name in ("qwen3",)}
@@ -31,11 +34,11 @@ def models(tiny_models):
     return loaded
 
 
-def test_buckets():
-    assert [bucket_of(r) for r in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64] and bucket_of(BUCKETS[-1] + 1) is None
+def test_packages_of_row_counts():
+    assert [_key(r) for r in (1, 2, 3, 64, MAX_ROWS + 1)] == [1, 0, 0, 0, None]
 
 
-def test_compiled_forward_matches_eager_and_padded_rows_write_nothing(models):
+def test_compiled_forward_matches_eager_and_writes_its_rows_only(models):
     lm = models["qwen3"]
     eager, comp = ModelRunner(lm, max_rows=16), ModelRunner(lm, max_rows=16)
     comp.compiled = True  # the decoder's buckets are compiled (fixture)
@@ -48,24 +51,63 @@ def test_compiled_forward_matches_eager_and_padded_rows_write_nothing(models):
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     compiled = comp.decoder.compiled
     calls = compiled.calls
-    he, hc = eager.forward(toks, pos, tree), comp.forward(toks, pos, tree)  # 3 rows: bucket 4, one row padded
+    he, hc = eager.forward(toks, pos, tree), comp.forward(toks, pos, tree)  # 3 rows: the several-rows package
     assert compiled.calls == calls + 1
     torch.testing.assert_close(hc, he, rtol=1e-4, atol=1e-4)
     for kv_c, kv_e in ((comp.cache.k, eager.cache.k), (comp.cache.v, eager.cache.v)):
         torch.testing.assert_close(kv_c[:, :, : S + 3], kv_e[:, :, : S + 3], rtol=1e-4, atol=1e-4)
-        assert not kv_c[:, :, S + 3 :].any()  # the padded row attended nothing and wrote no slot
+        assert not kv_c[:, :, S + 3 :].any()
 
 
-def test_a_forward_never_compiles_an_unwarmed_bucket(models):
+def test_a_forward_never_compiles(models):
+    """One row warmed: a forward of several runs eagerly (nothing built), and so does one past MAX_ROWS."""
+    lm = models["qwen3"]
+    runner = ModelRunner(lm, max_rows=MAX_ROWS + 8)
+    single = CompiledLayers(runner.decoder)
+    single.warm(1)
+    assert sorted(single.load_seconds) == [1] and not single.compile_seconds  # the fixture built it
+    runner.decoder.compiled, kept = single, runner.decoder.compiled
+    try:
+        runner.compiled = True
+        runner.reset(256)
+        runner.prefill(torch.arange(3, 11), 8)  # 8 rows: not warmed here
+        runner.prefill(torch.arange(3, 4 + MAX_ROWS), MAX_ROWS + 8)  # more rows than any package takes
+        assert single.calls == 0 and sorted(single._fns) == [1]
+    finally:
+        runner.decoder.compiled = kept
+
+
+def test_a_later_process_loads_the_packages_which_hold_no_copy_of_the_weights(models):
+    """A fresh CompiledLayers of the same model (as a new process makes) loads both packages from the cache, builds
+    nothing, and computes the same rows bit for bit; a package stores the packed weights, not the model's own."""
     lm = models["qwen3"]
     runner = ModelRunner(lm, max_rows=16)
+    first = runner.decoder.compiled
+    later = CompiledLayers(runner.decoder)
+    later.warm(WARM)
+    assert sorted(later.load_seconds) == [0, 1] and not later.compile_seconds
     runner.compiled = True
-    compiled = runner.decoder.compiled
-    before, calls = dict(compiled.compile_seconds), compiled.calls
-    runner.reset(64)
-    runner.prefill(torch.arange(3, 11), 8)  # 8 rows: bucket 8 was not warmed, so the eager layers run it
-    assert compiled.compile_seconds == before and compiled.calls == calls
-    assert sorted(before) == [1, 2, 4]
+    for rows in (1, 5):
+        runner.reset(64)
+        runner.prefill(torch.arange(3, 20), 16)
+        toks, pos = torch.arange(7, 7 + rows), torch.arange(17, 17 + rows)
+        tree = torch.ones(rows, rows, dtype=torch.bool).tril()
+        runner.decoder.compiled = first
+        try:
+            a = runner.forward(toks, pos, tree)  # writes the slots after the prompt, commits nothing
+            runner.decoder.compiled = later
+            b = runner.forward(toks, pos, tree)
+        finally:
+            runner.decoder.compiled = first
+        assert torch.equal(a, b) and later.calls >= 1
+    for key in (0, 1):
+        with zipfile.ZipFile(later.path(key)) as z:
+            stored = {i.filename.rsplit("/", 1)[-1] for i in z.infolist() if "/data/weights/" in i.filename}
+            config = next(n for n in z.namelist() if n.endswith("weights_config.json"))
+            files = {name: f for name, (f, *_) in json.loads(z.read(config)).items()}
+        assert files and all(name in later.shared for name, f in files.items() if f not in stored)
+        assert not any(files[name] in stored for name in later.shared if name in files)  # none of the model's own
+        assert len(stored) >= 4 * len(lm.model.model.layers)  # the packed products, four a layer
 
 
 def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
@@ -84,4 +126,4 @@ def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
                    BatchConfig(concurrency=2, kv_tokens=512))
     out = {k: r.token_ids for k, r in batch.run([(0, prompt, sampled, []), (1, prompt, params, [])]).items()}
     assert out == {0: want, 1: ar} and compiled.calls > calls
-    assert sorted(compiled.compile_seconds) == [1, 2, 4]  # nothing compiled beyond the warmed buckets
+    assert sorted(compiled._fns) == [0, 1]  # the engines built nothing more

@@ -9,7 +9,6 @@ draft's own K/V go in the ring only, never in the target's cache. Its tokens are
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 
@@ -17,6 +16,7 @@ import torch
 
 from specrun.decoding.drafters import quant_torch, ring_package
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward
+from specrun.decoding.forward import aot_package
 from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
@@ -146,13 +146,9 @@ class RingForward:
 
     def _package(self, rows: int):
         where = self._path(rows)
-        fn = ring_package.load(where)
-        if fn is None:
-            print(f"specrun: compiling the 4-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
-                  f"(AOTInductor, ~1 minute once per machine and model; cached in {where.parent})", file=sys.stderr,
-                  flush=True)
-            fn = ring_package.build(self.graph, self._example(1 if rows == 1 else 2), rows, self.sinks + self.full,
-                                    where)
+        fn = aot_package.load(where)
+        if fn is None:  # ring_package.build says so on stderr
+            fn = ring_package.build(self.graph, self._example(2 - (rows == 1)), rows, self.sinks + self.full, where)
             self.built += 1
         return fn
 

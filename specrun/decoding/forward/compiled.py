@@ -1,26 +1,28 @@
-"""The decoder's layers compiled by inductor per row bucket (1, 2, 4, ... 64 rows) with the weights frozen in: its
-C++ GEMM template reads each prepacked weight once per call; norms, rotary and MLP fuse around it. CPU only.
+"""The decoder's layers compiled ahead of time by inductor with the weights frozen in: its C++ GEMM template reads each
+prepacked weight once per call; norms, rotary and MLP fuse around it. CPU only. Two packages a model, one row a forward
+and 2 to 64 rows, each built once per machine in the specrun cache (aot_package.py) and loaded by later runs.
 
 CompiledLayers(decoder)(x, cos, sin, ctx) computes what decoder.layer_stack does; attention stays the context's own
-(one opaque op a layer: its cache writes and masks are the eager ones), and so does the lm head (compiled, it ran no
-faster at one row and 3x slower at 8 on smollm2). A row's products do not depend on its bucket (one K slice); torch's
-attention can, in the last bits (docs/design.md section 2). The frozen weights are a copy beside the model's.
+(one opaque op a layer, which the package calls back: its cache writes and masks are the eager ones), and so does the
+lm head (compiled, it ran no faster at one row and 3x slower at 8 on smollm2). A row's products do not depend on the
+rows beside it (one K slice, in both packages); torch's attention can, in the last bits (docs/design.md section 2).
+A package holds the packed weights only: the model's own are handed to it at load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
-import torch._dynamo.config
-import torch._inductor.config
 import torch.nn.functional as F
 
-from specrun.decoding.forward.decoder import ROW_BUCKETS as BUCKETS  # row counts compiled; more rows run eagerly
-from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
-from specrun.decoding.forward.decoder import rows_bucket as bucket_of
+from specrun.decoding.forward import aot_package
+from specrun.decoding.forward.decoder import ROW_BUCKETS, mlp_residual, rotated_qkv
+from specrun.models.cache import cache_root
 
 OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template, one K slice (the order of a row's sum
     # then does not depend on the rows beside it)
@@ -29,22 +31,18 @@ OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template,
     "max_autotune_gemm_backends": "CPP",
     "cpp.gemm_max_k_slices": 1,
 }
-
-RECOMPILES = 64  # compiled entries per forward code object: buckets x models in one process
+MAX_ROWS = ROW_BUCKETS[-1]  # rows of the largest forward through the packages; more rows run eagerly
+PREFIX = "layers"
+SOURCES = ("compiled.py", "decoder.py", "aot_package.py")  # the code the packages trace: a change names new ones
 _current = threading.local()  # the context of the forward in flight (the opaque attention op reads it)
 
 
 @torch.library.custom_op("specrun::attend", mutates_args=())
 def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """# q: [R, Hq, D], k/v: [R, Hkv, D] (R rows of a bucket, the first T real) -> [R, Hq * D]"""
-    ctx, T = _current.ctx, _current.rows
-    out = ctx.attend(layer, q[:T].transpose(0, 1)[None], k[:T].transpose(0, 1)[None], v[:T].transpose(0, 1)[None],
-                     scaling)  # [1, T, Hq, D]
-    if T == q.shape[0]:
-        return out.reshape(T, -1)
-    full = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    full[:T] = out.reshape(T, -1)
-    return full
+    """# q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]"""
+    out = _current.ctx.attend(layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                              scaling)  # [1, T, Hq, D]
+    return out.reshape(q.shape[0], -1)
 
 
 @_attend.register_fake
@@ -96,8 +94,9 @@ class _Stack(torch.nn.Module):
 
 
 def compile_layers(dec, max_rows: int) -> None:
-    """Run dec's forwards of up to max_rows rows (1-64) through compiled layers, compiling them now (progress on
-    stderr). CPU float32 or bfloat16; where our kernels run the layers (dec.cpu_layers) they stay the path."""
+    """Run dec's forwards of up to max_rows rows (1-64) through compiled layers, loading (or building: progress on
+    stderr) their packages now. CPU float32 or bfloat16; where our kernels run the layers (dec.cpu_layers) they stay
+    the path."""
     w = dec.layers[0].qkv.weight
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
@@ -108,71 +107,97 @@ def compile_layers(dec, max_rows: int) -> None:
     dec.compiled.warm(max_rows)
 
 
-def announce_compile(rows: int) -> None:
-    """Progress on stderr: a bucket's compile takes a minute or more on a small model, two CPU threads."""
-    print(f"specrun: compiling the layers for {rows} row(s) a forward (torch.compile, once per process)",
-          file=sys.stderr, flush=True)
-
-
 class _NoAttention:
-    """The context of a warm-up forward: attends nothing, writes no cache (compiling needs shapes, not values)."""
+    """The context of a trace: attends nothing, writes no cache (compiling needs shapes, not values)."""
 
     def attend(self, layer, q, k, v, scaling):
         return q.new_zeros(1, q.shape[2], q.shape[1], q.shape[3])
 
 
 class CompiledLayers:
-    """Per bucket the layers compiled once, at warm-up (inductor's graph cache bypasses them: freezing's mkldnn-packed
-    weights do not pickle, so every process compiles again); `compile_seconds` records what each bucket took."""
+    """The layers' packages, one row a forward (key 1) and 2 to MAX_ROWS (key 0), loaded from the cache or built at
+    warm-up; `compile_seconds` records what each build took, `load_seconds` each load."""
 
     def __init__(self, dec):
         self.stack = _Stack(dec).eval()
         self.hidden = dec.layers[0].o.weight.shape[0]
+        self.shared = dict(self.stack.state_dict())  # the model's own tensors, by name: the packages keep them apart
         self._fns: dict[int, object] = {}
+        self._pool: dict = {}  # the packages' packed weights: both packages pack them alike, one copy serves
+        self._paths: dict[int, Path] = {}
         self.compile_seconds: dict[int, float] = {}
+        self.load_seconds: dict[int, float] = {}
         self.calls = 0  # forwards run compiled (tests check the engines take this path)
 
     def covers(self, rows: int) -> bool:
-        """Whether a forward of `rows` rows has its bucket compiled (a forward never compiles one: warm does)."""
-        return bucket_of(rows) in self._fns
+        """Whether a forward of `rows` rows has its package loaded (a forward never builds one: warm does)."""
+        return _key(rows) in self._fns
+
+    def cached(self, max_rows: int) -> bool:
+        """Whether warm(max_rows) builds nothing: each package it needs is loaded, or in the cache."""
+        return all(k in self._fns or self.path(k).is_file() for k in _keys(max_rows))
+
+    def path(self, key: int) -> Path:
+        """Where the package of key (1: one row a forward, 0: several) lives."""
+        if key not in self._paths:  # the name hashes the weights: once a model
+            self._paths[key] = cache_root() / "layers" / package_name(self.stack, key)
+        return self._paths[key]
 
     def warm(self, max_rows: int) -> None:
-        """Compile every bucket a forward of up to max_rows rows uses."""
-        w = self.stack.layers[0].w_qkv
-        for R in BUCKETS:
-            if R > 1 and R // 2 >= max_rows:
-                break
-            if R in self._fns:
+        """Load, or build, every package a forward of up to max_rows rows uses."""
+        for key in _keys(max_rows):
+            if key in self._fns:
                 continue
-            announce_compile(R)
-            t0 = time.perf_counter()
-            fn = torch.compile(self.stack, dynamic=False, fullgraph=True)
-            # a config patch, not torch.compile's options: freezing is decided outside the options' scope; every
-            # model's stack shares one forward code object, whose compiled entries dynamo caps (8 by default)
-            with torch.inference_mode(), torch._inductor.config.patch(OPTIONS), \
-                    torch._dynamo.config.patch(recompile_limit=RECOMPILES):  # inference mode: as the decoder's
-                # forwards run (dynamo guards on it); cos and sin apart (it guards on aliasing too)
-                x, cos, sin = w.new_zeros(R, self.hidden), w.new_ones(R, 1, self.stack.D), w.new_zeros(R, 1, self.stack.D)
-                self._run(fn, x, cos, sin, _NoAttention(), R)
-            self._fns[R], self.compile_seconds[R] = fn, time.perf_counter() - t0
+            where, t0 = self.path(key), time.perf_counter()
+            fn = aot_package.load(where, self.shared, self._pool)
+            if fn is not None:
+                self.load_seconds[key] = time.perf_counter() - t0
+            else:
+                print(f"specrun: compiling the layers for {'one row' if key else 'several rows'} a forward "
+                      f"(AOTInductor, a minute or more once per machine and model; cached in {where.parent})",
+                      file=sys.stderr, flush=True)
+                fn = self._build(key, where)
+                self.compile_seconds[key] = time.perf_counter() - t0
+            self._fns[key] = fn
+
+    def _build(self, key: int, where: Path):
+        R = 1 if key else 4  # the example's rows; the several-rows package takes 2 to MAX_ROWS
+        w, D = self.stack.layers[0].w_qkv, self.stack.D
+        example = (w.new_zeros(R, self.hidden), w.new_ones(R, 1, D), w.new_zeros(R, 1, D))
+        rows = torch.export.Dim("R", min=2, max=MAX_ROWS)
+        dims = None if key else {"x": {0: rows}, "cos": {0: rows}, "sin": {0: rows}}
+        with torch.inference_mode():  # as the decoder's forwards run
+            program = torch.export.export(self.stack, example, dynamic_shapes=dims)
+        return aot_package.write(program, OPTIONS, where, PREFIX, self.shared, self._pool)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        """# x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm); T's bucket compiled (covers)"""
-        T = x.shape[0]
-        R = bucket_of(T)
-        if R != T:  # pad to the bucket: padded rows attend nothing and are dropped
-            x = torch.cat((x, x.new_zeros(R - T, x.shape[1])))
-            cos = torch.cat((cos, cos[-1:].expand(R - T, -1, -1)))
-            sin = torch.cat((sin, sin[-1:].expand(R - T, -1, -1)))
+        """# x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm); T's package loaded (covers)"""
         self.calls += 1
-        return self._run(self._fns[R], x, cos, sin, ctx, T)[:T]
-
-    @staticmethod
-    def _run(fn, x, cos, sin, ctx, T: int) -> torch.Tensor:
-        """fn's output for the bucket's rows, the opaque attention op answering the first T through ctx."""
-        _current.ctx, _current.rows = ctx, T
+        _current.ctx = ctx
         try:
             with torch.no_grad():
-                return fn(x, cos, sin)
+                return self._fns[_key(x.shape[0])](x.contiguous(), cos.contiguous(), sin.contiguous())
         finally:
             _current.ctx = None
+
+
+def _key(rows: int) -> int | None:
+    """The package of a forward of `rows` rows: 1 (one row), 0 (2 to MAX_ROWS), None (more: eager)."""
+    return 1 if rows == 1 else 0 if rows <= MAX_ROWS else None
+
+
+def _keys(max_rows: int) -> tuple[int, ...]:
+    return (1, 0) if max_rows > 1 else (1,)
+
+
+def package_name(stack: _Stack, key: int) -> str:
+    """A name for a package of the stack: its weights (sampled), shapes and constants, the traced code, the options,
+    and what aot_package.digest adds (torch, the CPU, its threads)."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for src in SOURCES:
+        h.update((here / src).read_bytes())
+    layers = [(L.scaling, aot_package.act_id(L.act), *map(repr, (L.ln1, L.ln2, L.q_norm, L.k_norm)))
+              for L in stack.layers]  # a norm's repr holds its epsilon
+    aot_package.digest(h, stack, key, MAX_ROWS, stack.n_q, stack.n_kv, stack.D, stack.inter, layers, OPTIONS)
+    return f"{PREFIX}-{key or 'n'}-{h.hexdigest()[:20]}.pt2"
