@@ -30,6 +30,16 @@ def specrun_cache(tmp_path_factory) -> Path:
         yield cache
 
 
+@pytest.fixture(scope="module")
+def own_cache(tmp_path_factory) -> Path:
+    """A module's SPECRUN_CACHE of its own: the compiled layers it builds are not found by a later module's float32
+    engines (compile_layers auto loads what is cached)."""
+    cache = tmp_path_factory.mktemp("module-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECRUN_CACHE", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Every TINY_SPECS model built offline once per session: name -> model directory (str)."""

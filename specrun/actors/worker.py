@@ -137,11 +137,14 @@ class GenerationWorker:
         return self.info()
 
     def info(self) -> dict:
-        """What the driver shows of a loaded worker; `compiles`: warm() would compile (minutes), not load, a graph."""
+        """What the driver shows of a loaded worker; `compiles`: warm() would compile (minutes), not load, what
+        `builds` names."""
+        e = self.engine
+        builds = e.would_build(self.spec.tokens_ahead) if e is not None else []
         return {"pid": os.getpid(), "host": socket.gethostname(), "slot": self.slot, "hot_start": self.hot_source,
-                "concurrency": self.concurrency,
-                "compiles": self.engine is not None and self.engine.would_build(self.spec.tokens_ahead),
-                "compile_failed": self.engine.draft_compile_error if self.engine is not None else None}
+                "concurrency": self.concurrency, "compiles": bool(builds), "builds": builds,
+                "compile_failed": e.draft_compile_error if e is not None else None,
+                "layers_failed": e.compiles.layers_error if e is not None else None}
 
     def warm(self) -> dict:
         """Compile (or load) what the run's tokens pay for before its first prompt (the 4-bit draft's graph: on a

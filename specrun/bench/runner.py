@@ -47,8 +47,8 @@ DEFAULT_RUNS: tuple[RunSpec, ...] = (
     # fused drafting in place of the self-draft forward, beside the other drafters
     RunSpec("fused_spec", "specrun", (("drafters", ("fused", "ngram", "recycling")),), needs_heads=True),
     # the layers compiled by inductor (decoding/forward/compiled.py): minutes of compiling before the first step
-    RunSpec("compiled_ar", "specrun", (("drafters", ()), ("compile_layers", True)), by_name=True),
-    RunSpec("compiled_spec", "specrun", (("compile_layers", True),), by_name=True),
+    RunSpec("compiled_ar", "specrun", (("drafters", ()), ("compile_layers", "on")), by_name=True),
+    RunSpec("compiled_spec", "specrun", (("compile_layers", "on"),), by_name=True),
     # specrun_spec with the 4-bit draft never compiled: what compile_draft auto changes on long runs
     RunSpec("eager_draft_spec", "specrun", (("compile_draft", "off"),), by_name=True),
 )

@@ -21,8 +21,8 @@ def concurrency_configs(base, only: str | None) -> dict:
     """The batched runs --runs names (default: specrun_ar and specrun_spec); the compiled_* ones with compiled
     layers (and each drafter as `--compile` runs it)."""
     every = {"specrun_ar": dataclasses.replace(base, drafters=()), "specrun_spec": base,
-             "compiled_ar": dataclasses.replace(base, drafters=(), compile_layers=True),
-             "compiled_spec": dataclasses.replace(base, compile_layers=True)}
+             "compiled_ar": dataclasses.replace(base, drafters=(), compile_layers="on"),
+             "compiled_spec": dataclasses.replace(base, compile_layers="on")}
     names = [n.strip() for n in only.split(",") if n.strip()] if only else ["specrun_ar", "specrun_spec"]
     bad = [n for n in names if n not in every]
     if bad or not names:

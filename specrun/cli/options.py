@@ -95,19 +95,20 @@ engine_options = stack_options(
     click.option("--attention", type=click.Choice(list(BACKENDS)), default="sdpa", show_default=True,
                  help="Attention backend: sdpa (one masked call, the reference) or split (unmasked prefix + masked "
                       "trie, merged by log-sum-exp)."),
-    click.option("--compile", "compile_layers", is_flag=True,
-                 help="CPU: run forwards of up to 64 rows through the layers compiled ahead of time by inductor "
-                      "(AOTInductor, weights frozen in), and the 4-bit self-draft as one compiled graph a token for "
-                      "every drafting sequence. Built once per machine and model (about a minute a package on smollm2 "
-                      "with 2 threads: the layers for one row a forward and for several, the draft), kept in the "
-                      "specrun cache and loaded in a second or two by later runs. Where specrun's own kernels run, "
-                      "they stay."),
+    click.option("--compile", "compile_all", is_flag=True,
+                 help="CPU: the same as --compile-layers on (the 4-bit self-draft compiles with the layers)."),
+    click.option("--compile-layers", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+                 help="CPUs where specrun's kernels do not run: forwards of up to 64 rows through the layers compiled "
+                      "ahead of time by inductor (AOTInductor, weights frozen in). Built once per machine and model "
+                      "(about a minute for each of two packages on smollm2 with 2 threads: one row a forward, "
+                      "several), kept in the specrun cache, loaded in a second or two after. auto: in float32, at "
+                      "once where cached, else once a worker's generations ask for 16,384 new tokens in all."),
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                  help="CPUs where specrun's kernels do not run: the 4-bit self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "
                       "model (~1 minute for smollm2; kept in the specrun cache), loaded in about a second after. auto: "
                       "at once where it is cached, else once a worker's generations ask for 4,096 new tokens in all. "
-                      "--compile compiles it whatever this says."),
+                      "--compile-layers on compiles it whatever this says."),
 )
 
 
@@ -159,7 +160,7 @@ ENGINE_FLAGS = {"draft": "drafters", "trie_budget": "trie_budget", "ngram_topk":
                 "fixed_budget": "adaptive_budget", "heads_path": "heads_path", "drafter_path": "drafter_path",
                 "tree": "tree", "kv_mode": "kv_mode",
                 "kv_budget": "kv_budget", "kv_sinks": "kv_sinks", "attention": "attention",
-                "compile_layers": "compile_layers", "compile_draft": "compile_draft"}
+                "compile_all": "compile_layers", "compile_layers": "compile_layers", "compile_draft": "compile_draft"}
 
 
 def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> EngineConfig:
@@ -169,7 +170,8 @@ def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> 
                   adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"],
                   drafter_path=parse_drafter(kw["drafter_path"]), tree=parse_tree(kw["tree"]),
                   kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"],
-                  compile_layers=kw.get("compile_layers", False), compile_draft=kw.get("compile_draft", "auto"))
+                  compile_layers="on" if kw.get("compile_all") else kw.get("compile_layers", "auto"),
+                  compile_draft=kw.get("compile_draft", "auto"))
     try:
         if base is None:
             return EngineConfig(**fields)

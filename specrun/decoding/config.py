@@ -31,6 +31,9 @@ from specrun.decoding.forward.paged_attention import check_paged_backend
 # compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all, where
 # the first compile on a machine (~1-3 minutes) pays (docs/benchmarks.md); a cached one loads at once
 COMPILE_DRAFT_TOKENS = 4096
+# compile_layers auto: the same for the compiled layers, whose first build (two packages, ~1 minute each on smollm2)
+# pays later on AR (docs/benchmarks.md, stop 66)
+COMPILE_LAYERS_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -50,13 +53,16 @@ class EngineConfig:
     attention: str = "sdpa"  # attention backend (decoding/forward/attention.py BACKENDS); fixed per job like the model
     step_graphs: str = "auto"  # verify forwards of up to 64 rows by static_step.py: on (CUDA graphs on CUDA, its
     # eager twin elsewhere), off, or auto (on where CUDA graphs run)
-    compile_layers: bool = False  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py),
-    # compiled when the engine starts; the 4-bit self-draft's graph with them
+    compile_layers: str = "auto"  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py):
+    # on (when the engine starts; the 4-bit self-draft's graph with them), off, or auto (float32 where our kernels do
+    # not run the layers: at once where cached, else once an engine's generations ask for COMPILE_LAYERS_TOKENS)
     compile_draft: str = "auto"  # the 4-bit self-draft on torch's kernels as one compiled graph (quant_ring.py): on,
     # off, or auto (at once where its packages are cached, else once an engine's generations ask for
     # COMPILE_DRAFT_TOKENS new tokens in all)
 
     def __post_init__(self):
+        if isinstance(self.compile_layers, bool):  # a manifest written before auto: True was --compile
+            object.__setattr__(self, "compile_layers", "on" if self.compile_layers else "off")
         names = self.drafters if self.drafters is not None else ()
         unknown = [d for d in names if d not in DRAFTER_NAMES]
         if unknown:
@@ -69,7 +75,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={value} must be >= {low}")
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
         check_backend(self.attention)
-        for name, value in (("step_graphs", self.step_graphs), ("compile_draft", self.compile_draft)):
+        for name, value in (("step_graphs", self.step_graphs), ("compile_draft", self.compile_draft),
+                            ("compile_layers", self.compile_layers)):
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"{name}={value!r}; choose from auto, on, off")
         TreeTemplate(self.tree)  # validates the tree spec
@@ -78,8 +85,15 @@ class EngineConfig:
         """Whether an engine whose generations asked for `asked` new tokens in all (the next one's included) drafts
         through the compiled graph, where the 4-bit draft runs on torch's kernels; auto: once they ask for
         COMPILE_DRAFT_TOKENS (its first compile pays there), or at once where cached() (a load of about a second)."""
-        return self.compile_layers or self.compile_draft == "on" or (
+        return self.compile_layers == "on" or self.compile_draft == "on" or (
             self.compile_draft == "auto" and (asked >= COMPILE_DRAFT_TOKENS or cached()))
+
+    def layers_compile(self, asked: int, eligible: Callable[[], bool], cached: Callable[[], bool]) -> bool:
+        """Whether an engine whose generations asked for `asked` new tokens in all runs through the compiled layers:
+        on; auto: where eligible() (float32 on a CPU whose layers our kernels do not run, a C++ compiler), at once
+        where cached() (a load of a second or two), else once they ask for COMPILE_LAYERS_TOKENS."""
+        return self.compile_layers == "on" or (self.compile_layers == "auto" and eligible()
+                                               and (asked >= COMPILE_LAYERS_TOKENS or cached()))
 
     @property
     def wants_quant(self) -> bool:

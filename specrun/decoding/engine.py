@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specrun.decoding.compiles import Compiles
 from specrun.decoding.config import BatchConfig, EngineConfig, GenerationResult, build_drafters, resolve_drafting
 from specrun.decoding.drafters import quant_draft as qd
 from specrun.decoding.drafters.heads import DraftHeads
@@ -58,8 +59,7 @@ class Engine:
         self.lm, self.config, self.batch, self.heads, self.names = lm, config, batch, heads, names
         self.runner = SoloRunner(lm, max(config.trie_budget, config.prefill_chunk), config.attention) if solo \
             else PagedRunner(lm, batch.kv_tokens, batch.page_size, batch.backend)
-        if config.compile_layers:  # a step carries up to a width's rows per sequence
-            self.runner.use_compiled((config.trie_budget if names else 1) * batch.concurrency)
+        self.compiles = Compiles(config, self.runner, (config.trie_budget if names else 1) * batch.concurrency, solo)
         # the self-drafters' partial caches rank slots by the last committed token's queries: verify keeps them
         self._capture = "heads" in names and config.kv_mode != "full"
         graphs = config.step_graphs == "on" or (config.step_graphs == "auto" and lm.device.type == "cuda")
@@ -69,9 +69,8 @@ class Engine:
         # the worker's one matrix: every sequence's verify teaches it, every sequence drafts from it
         self.recycling = RecyclingMatrix(self.vocab_size, k=RECYCLING_K, device=lm.device) if "recycling" in names else None
         self.drafting = Drafting(names)
-        self.quant = qd.quantized(self.runner.decoder) if "quant" in names else None  # the 4-bit forward of all drafts
-        if self.quant is not None and config.compile_layers:
-            self.quant = qd.compiled_draft(self.quant, batched=not solo)
+        # the 4-bit forward of all drafts
+        self.quant = self.compiles.draft(qd.quantized(self.runner.decoder) if "quant" in names else None)
         # per (active sequences, greedy), kept across generations: cost follows rows; greedy text pays other widths
         self._tuners: dict[tuple[int, bool], WidthTuner] = {}
         self._shadowing = config.adaptive_budget and shadowable(names)
@@ -111,14 +110,13 @@ class Engine:
         return True
 
     def prepare(self, params: SamplingParams, resumed: int = 0) -> None:
-        """Compile what the next sequence pays for (EngineConfig.compile_draft: the 4-bit draft's graph, where it runs
-        on torch's kernels); admit calls it, a caller may call it first to keep the compile apart."""
+        """Compile what the next sequence pays for (compiles.py: the layers, the 4-bit draft's graph where it runs on
+        torch's kernels); admit calls it, a caller may call it first to keep the compile apart."""
         self.expect(self.asked + params.max_tokens - resumed)
 
-    def would_build(self, tokens: int) -> bool:
-        """Whether expect(tokens) would compile a graph its cache lacks (a minute or more, not a load)."""
-        return qd.compilable(self.quant) and self.config.draft_compiles(tokens) \
-            and not qd.draft_cached(self.quant, not self.solo)
+    def would_build(self, tokens: int) -> list[str]:
+        """What expect(tokens) would compile that the cache lacks (Compiles.would_build)."""
+        return self.compiles.would_build(tokens, self.quant)
 
     @property
     def draft_compile_error(self) -> str | None:
@@ -128,9 +126,8 @@ class Engine:
     def expect(self, tokens: int) -> None:
         """Compile (or load) what generations asking `tokens` new tokens in all pay for (a job's worker: at warm(),
         for its share of the job, before any prompt)."""
-        several = not self.solo
-        if self.quant is not None and self.config.draft_compiles(tokens, lambda: qd.draft_cached(self.quant, several)):
-            self.quant = qd.compiled_draft(self.quant, several)
+        quant, self.quant = self.quant, self.compiles.expect(tokens, self.quant)
+        if self.quant is not quant:
             for a in self.active:
                 if a.quant is not None:
                     a.quant.forward = self.quant

@@ -101,7 +101,8 @@ def describe(rec: dict) -> str:
         actors = f"{s['actors']} actor(s)" if s.get("actors") else "default actors"
         return (f"#{rec['attempt']} {when} on {rec.get('host')}: {s['device']} {s['dtype']}, {actors}, draft {draft}, "
                 f"trie {e.get('trie_budget')}{' (adaptive)' if e.get('adaptive_budget') else ''}, "
-                f"{e.get('attention')}{', compiled layers' if e.get('compile_layers') else ''}, checkpoint every {s['checkpoint']['every']} tokens / "
+                f"{e.get('attention')}{', compiled layers' if e.get('compile_layers') in (True, 'on') else ''}, "
+                f"checkpoint every {s['checkpoint']['every']} tokens / "
                 f"{s['checkpoint']['seconds']:g} s" + (f", Ray at {s['ray_address']}" if s.get("ray_address") else ""))
     except (KeyError, TypeError, ValueError, OverflowError) as err:
         return f"#{rec.get('attempt')}: malformed record ({type(err).__name__}: {err})"

@@ -31,10 +31,10 @@ from specrun.storage.records import Records
 from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import PROMPTS
 
-# manifest entries that change the generated tokens: they must match to resume (the attention backend and compiled
-# layers can change the logits' last bits); every other setting may change between attempts (jobs/attempts.py)
-OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "model.rope_scaling", "params", "engine.attention",
-               "engine.compile_layers")
+# manifest entries that change the generated tokens: they must match to resume (the attention backend can change the
+# logits' last bits); every other setting may change between attempts (jobs/attempts.py): compiled layers run only
+# where a token is defined up to a near tie anyway (docs/design.md section 2), and compile_layers auto varies by cache
+OUTPUT_KEYS = ("input.sha256", "model.fingerprint", "model.dtype", "model.rope_scaling", "params", "engine.attention")
 # the top-level keys of a manifest (submit.build_manifest, and the checksums JobDir.create adds)
 MANIFEST_KEYS = {"specrun_version", "schema_version", "created_at", "input", "model", "params", "engine", "checkpoint",
                  "prompts_sha256", "checksum"}

@@ -228,8 +228,8 @@ def test_concurrency_runs_are_chosen_by_name_and_each_spec_run_is_measured_again
     base = EngineConfig(drafters=("ngram", "quant"))
     assert list(concurrency_configs(base, None)) == ["specrun_ar", "specrun_spec"]
     configs = concurrency_configs(base, "compiled_ar, compiled_spec")
-    assert configs["compiled_ar"] == EngineConfig(drafters=(), compile_layers=True)
-    assert configs["compiled_spec"] == EngineConfig(drafters=("ngram", "quant"), compile_layers=True)
+    assert configs["compiled_ar"] == EngineConfig(drafters=(), compile_layers="on")
+    assert configs["compiled_spec"] == EngineConfig(drafters=("ngram", "quant"), compile_layers="on")
     with pytest.raises(click.BadParameter, match="hf_ar: with --concurrency the runs are"):
         concurrency_configs(base, "specrun_ar,hf_ar")
     rows = [{"name": n, "concurrency": 4, "tokens_per_s": tps, "mean_accepted": 1.0}

@@ -21,7 +21,7 @@ WARM = 4  # rows a forward: both packages (one row, several), built once per ses
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models):
+def models(tiny_models, own_cache):
     """Float32 qwen3 (GQA, q/k norms), loaded once: its decoder's packages are built once (~20 s each)."""
     from specrun.models.loader import load_model
 
@@ -114,16 +114,62 @@ def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
     lm = models["qwen3"]
     params = SamplingParams(max_tokens=40, temperature=0.0)
     prompt = list(lm.tokenizer("the cat sat on the mat. the cat sat on the mat. the cat").input_ids)
-    ar = Engine(lm, EngineConfig(drafters=())).generate(prompt, params).token_ids
+    eager = EngineConfig(drafters=(), compile_layers="off")
+    ar = Engine(lm, eager).generate(prompt, params).token_ids
     compiled = lm.model._specrun_decoder.compiled
     calls = compiled.calls
-    spec = Engine(lm, EngineConfig(drafters=("ngram",), trie_budget=WARM, compile_layers=True)).generate(prompt, params)
+    spec = Engine(lm, EngineConfig(drafters=("ngram",), trie_budget=WARM, compile_layers="on")).generate(prompt, params)
     assert spec.token_ids == ar and compiled.calls > calls
     sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3)
-    want = Engine(lm, EngineConfig(drafters=())).generate(prompt, sampled).token_ids
+    want = Engine(lm, eager).generate(prompt, sampled).token_ids
     calls = compiled.calls
-    batch = Engine(lm, EngineConfig(drafters=("ngram",), trie_budget=2, compile_layers=True),
+    batch = Engine(lm, EngineConfig(drafters=("ngram",), trie_budget=2, compile_layers="on"),
                    BatchConfig(concurrency=2, kv_tokens=512))
     out = {k: r.token_ids for k, r in batch.run([(0, prompt, sampled, []), (1, prompt, params, [])]).items()}
     assert out == {0: want, 1: ar} and compiled.calls > calls
     assert sorted(compiled._fns) == [0, 1]  # the engines built nothing more
+
+
+def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(models, tiny_models, tmp_path,
+                                                                               monkeypatch, capsys):
+    """auto: where the packages are cached an engine runs through them from its first generation (the tokens "on"
+    gives); with none cached nothing builds short of COMPILE_LAYERS_TOKENS (would_build names the layers from there);
+    bfloat16 never compiles; a failed build is said once and the eager layers serve."""
+    from specrun.decoding.config import COMPILE_LAYERS_TOKENS
+    from specrun.decoding.forward import compiled
+    from specrun.models.loader import load_model
+
+    lm = models["qwen3"]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    prompt = list(lm.tokenizer("the cat sat on the mat. the cat").input_ids)
+    auto = Engine(lm, EngineConfig(drafters=()))
+    assert not auto.runner.compiled and auto.would_build(10) == []
+    calls = lm.model._specrun_decoder.compiled.calls
+    got = auto.generate(prompt, params).token_ids
+    assert auto.runner.compiled and lm.model._specrun_decoder.compiled.calls > calls
+    assert got == Engine(lm, EngineConfig(drafters=(), compile_layers="on")).generate(prompt, params).token_ids
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))  # nothing cached
+    fresh = load_model(tiny_models["qwen3"], dtype="float32")
+    engine = Engine(fresh, EngineConfig(drafters=()))
+    assert engine.would_build(COMPILE_LAYERS_TOKENS - 1) == []
+    assert engine.would_build(COMPILE_LAYERS_TOKENS) == ["the layers"]
+    engine.generate(prompt, params)
+    assert not engine.runner.compiled and not (tmp_path / "layers").exists()
+    off = Engine(fresh, EngineConfig(drafters=(), compile_layers="off"))
+    assert off.would_build(10 * COMPILE_LAYERS_TOKENS) == []
+    bf16 = Engine(load_model(tiny_models["qwen3"], dtype="bfloat16"), EngineConfig(drafters=()))
+    assert bf16.would_build(10 * COMPILE_LAYERS_TOKENS) == []
+
+    tries = []
+
+    def fail(self, key, where):
+        tries.append(key)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled.CompiledLayers, "_build", fail)
+    for _ in range(2):
+        engine.expect(COMPILE_LAYERS_TOKENS)
+    assert tries == [1] and not engine.runner.compiled  # tried once, then the eager layers
+    assert "the layers did not compile (RuntimeError: no compiler here); they run eagerly" in capsys.readouterr().err
+    assert engine.generate(prompt, params).token_ids

@@ -125,7 +125,7 @@ def fresh_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def compiled_lm(model_dir):  # noqa: F811
+def compiled_lm(model_dir, own_cache):  # noqa: F811
     """One model for the engine tests below: its layers and draft graph compile once, each test adding what it needs."""
     return _model(model_dir, "torch", "float32")
 
@@ -135,7 +135,7 @@ def test_an_engine_with_compile_drafts_through_the_compiled_graph_and_emits_ar(c
     during a generation), and its output is AR's."""
     lm = compiled_lm
     ar = Engine(lm, EngineConfig(drafters=())).generate(PROMPT, SAMPLED).token_ids
-    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_layers=True))
+    engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False, compile_layers="on"))
     ring = engine.quant
     assert isinstance(ring, RingForward) and ring.fn is not None
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
@@ -219,7 +219,7 @@ def test_a_batched_engine_with_compile_drafts_every_sequence_through_the_compile
     prompts = [PROMPT, PROMPT[:5] + [50, 60, 70], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
     engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False,
-                                          compile_layers=True),
+                                          compile_layers="on"),
                          BatchConfig(concurrency=3, kv_tokens=3 * 256, page_size=256))
     ring = engine.quant
     assert isinstance(ring, RingForward) and ring.batched

@@ -87,14 +87,12 @@ def test_runs_may_change_actors_drafting_and_cadence_each_is_recorded_and_output
     # chunk exists (the new cadence is the one used)
     _interrupt_when(lambda: 40 in _spans(job))
     r = run.invoke(main, ["resume", str(job.root), "--actors", "2", "--draft", "none", "--checkpoint-every", "40",
-                          "--compile-draft", "off", "-q"])
+                          "--compile-draft", "off", "--compile-layers", "off", "-q"])
     assert r.exit_code == 130, r.output
-    # the attention backend and compiled layers are part of what the outputs are: refused, by resume and by a
-    # resubmit, nothing recorded
+    # the attention backend is part of what the outputs are: refused, by resume and by a resubmit, nothing recorded
     for args, why in ((["resume", str(job.root), "--attention", "split"], "engine.attention: job has 'sdpa', now 'split'"),
                       (["submit", str(prompts), "--model", model, "--job-dir", str(job.root), *SAMPLING, "--attention",
-                        "split"], "engine.attention: job has 'sdpa', now 'split'"),
-                      (["resume", str(job.root), "--compile"], "engine.compile_layers: job has False, now True")):
+                        "split"], "engine.attention: job has 'sdpa', now 'split'")):
         r = run.invoke(main, args)
         assert r.exit_code == 1 and why in r.output, r.output
     assert len(read_attempts(job)) == 2
@@ -115,7 +113,7 @@ def test_runs_may_change_actors_drafting_and_cadence_each_is_recorded_and_output
     s1, s2, s3 = (a["settings"] for a in att)
     assert _differences(s1, s2) == {"actors": (None, 2), "checkpoint.every": (16, 40),
                                     "engine.drafters": (["ngram", "recycling"], []),
-                                    "engine.compile_draft": ("auto", "off")}
+                                    "engine.compile_draft": ("auto", "off"), "engine.compile_layers": ("auto", "off")}
     assert s3 == s1 and s1["device"] == "cpu" and s1["dtype"] == "float32" and s1["engine"]["attention"] == "sdpa"
     assert s1["ray_address"] is None and s1["checkpoint"]["seconds"] == 60.0 and s1["engine"]["trie_budget"] == 64
     assert all(a["host"] and a["specrun_version"] and a["ended_at"] >= a["started_at"] for a in att)
@@ -143,17 +141,21 @@ def test_a_manifest_older_than_the_attention_switch_counts_as_sdpa():
         "engine.attention: job has 'sdpa', now 'split'"]
 
 
-def test_a_manifest_older_than_compiled_layers_counts_as_eager_and_a_compiled_run_says_so():
-    old = {"params": {}, "engine": {"drafters": None}}
-    assert manifest_differences(old, {"params": {}, "engine": {"compile_layers": False}}) == []
-    assert manifest_differences(old, {"params": {}, "engine": {"compile_layers": True}}) == [
-        "engine.compile_layers: job has False, now True"]
+def test_compiled_layers_may_change_on_resume_and_a_compiled_run_says_so():
+    """Not an output setting (they run only where a token is defined up to a near tie), manifests written before auto
+    (a bool) included."""
+    old = {"params": {}, "engine": {"drafters": None, "compile_layers": False}}
+    for now in (False, True, "auto", "on", "off"):
+        assert manifest_differences(old, {"params": {}, "engine": {"compile_layers": now}}) == []
     rec = {"attempt": 1, "started_at": 0, "host": "h", "settings": {
         "device": "cpu", "dtype": "float32", "actors": None, "checkpoint": {"every": 64, "seconds": 60},
         "engine": {"drafters": None, "trie_budget": 64, "adaptive_budget": True, "attention": "sdpa"}}}
     assert "compiled" not in describe(rec)
-    rec["settings"]["engine"]["compile_layers"] = True
-    assert "sdpa, compiled layers, checkpoint every 64 tokens" in describe(rec)
+    rec["settings"]["engine"]["compile_layers"] = "auto"  # whether they compiled is the engine's to decide
+    assert "compiled" not in describe(rec)
+    for on in (True, "on"):
+        rec["settings"]["engine"]["compile_layers"] = on
+        assert "sdpa, compiled layers, checkpoint every 64 tokens" in describe(rec)
 
 
 def test_unreadable_attempt_records_are_reported_not_raised(tmp_path):

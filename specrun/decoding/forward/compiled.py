@@ -12,6 +12,8 @@ A package holds the packed weights only: the model's own are handed to it at loa
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import sys
 import threading
 import time
@@ -105,6 +107,21 @@ def compile_layers(dec, max_rows: int) -> None:
     if dec.compiled is None:
         dec.compiled = CompiledLayers(dec)
     dec.compiled.warm(max_rows)
+
+
+def eligible(dec) -> bool:
+    """Where compile_layers auto compiles: float32 layers on the CPU that our kernels do not run, a C++ compiler (in
+    bfloat16 torch's eager products ran faster than the compiled ones on an AVX-512 CPU)."""
+    w = dec.layers[0].qkv.weight
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    return w.device.type == "cpu" and w.dtype == torch.float32 and dec.cpu_layers is None and compiler is not None
+
+
+def cached(dec, max_rows: int) -> bool:
+    """Whether compile_layers(dec, max_rows) loads every package it needs, building none."""
+    if dec.compiled is None:
+        dec.compiled = CompiledLayers(dec)
+    return dec.compiled.cached(max_rows)
 
 
 class _NoAttention:

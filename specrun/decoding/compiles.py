@@ -1,0 +1,52 @@
+"""What an engine compiles, and when: its layers (EngineConfig.compile_layers, forward/compiled.py) and its 4-bit
+self-draft's graph (compile_draft, drafters/quant_ring.py), each built once per machine and model, loaded after.
+
+Compiles(config, runner, rows, solo) decides at the engine's start ("on") and for the tokens its generations ask
+(expect): a compile never changes what AR emits beyond a near tie (docs/design.md section 2), only how fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from specrun.decoding.config import EngineConfig
+from specrun.decoding.drafters import quant_draft as qd
+
+
+class Compiles:
+    def __init__(self, config: EngineConfig, runner, rows: int, solo: bool):
+        # rows: the most rows of one of the engine's forwards (a width a sequence, every sequence)
+        self.config, self.runner, self.rows, self.several = config, runner, rows, not solo
+        self.layers_error: str | None = None  # why compile_layers auto's build failed (the eager layers then run)
+        if config.compile_layers == "on":
+            runner.use_compiled(rows)
+
+    def draft(self, quant):
+        """The engine's 4-bit forward as it starts: compiled with the layers (compile_layers on)."""
+        return qd.compiled_draft(quant, batched=self.several) if quant is not None \
+            and self.config.compile_layers == "on" else quant
+
+    def _layers_due(self, tokens: int) -> bool:
+        r = self.runner
+        return not r.compiled and self.layers_error is None and self.config.layers_compile(
+            tokens, r.layers_eligible, lambda: r.layers_cached(self.rows))
+
+    def would_build(self, tokens: int, quant) -> list[str]:
+        """What expect(tokens) would compile that the cache lacks (a minute or more each, not a load)."""
+        draft = qd.compilable(quant) and self.config.draft_compiles(tokens) and not qd.draft_cached(quant, self.several)
+        layers = self._layers_due(tokens) and not self.runner.layers_cached(self.rows)
+        return [what for what, due in (("the layers", layers), ("the 4-bit self-draft", draft)) if due]
+
+    def expect(self, tokens: int, quant):
+        """Compile (or load) what generations asking `tokens` new tokens in all pay for; returns the 4-bit forward
+        to draft with from now on."""
+        if self._layers_due(tokens):
+            try:
+                self.runner.use_compiled(self.rows)
+            except Exception as e:  # noqa: BLE001 (export and inductor raise many kinds; "on" built at start, raising)
+                self.layers_error = f"{type(e).__name__}: {e}"  # the eager layers serve, said once
+                print(f"specrun: the layers did not compile ({self.layers_error}); they run eagerly", file=sys.stderr,
+                      flush=True)
+        if quant is not None and self.config.draft_compiles(tokens, lambda: qd.draft_cached(quant, self.several)):
+            quant = qd.compiled_draft(quant, self.several)
+        return quant
