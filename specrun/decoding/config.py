@@ -31,8 +31,8 @@ from specrun.decoding.forward.paged_attention import check_paged_backend
 # compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all, where
 # the first compile on a machine (~1-3 minutes) pays (docs/benchmarks.md); a cached one loads at once
 COMPILE_DRAFT_TOKENS = 4096
-# compile_layers auto: the same for the compiled layers, whose first build (two packages, ~1 minute each on smollm2)
-# pays later on AR (docs/benchmarks.md, stop 66)
+# compile_layers auto: the same for the compiled layers, whose first build (two packages) pays on AR from about here
+# (docs/benchmarks.md, stop 66)
 COMPILE_LAYERS_TOKENS = 16384
 
 
