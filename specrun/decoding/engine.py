@@ -199,7 +199,8 @@ class Engine:
         if a.heads is not None:
             a.stats.kv_rebuilds = a.heads.kv.rebuilds
         self.drop(a.key)
-        return a.key, GenerationResult(a.st.out, a.done or a.st.finished(), a.stats.as_dict())
+        stats = {**a.stats.as_dict(), "compiled_layers": self.runner.compiled}  # at its end (auto may switch them on)
+        return a.key, GenerationResult(a.st.out, a.done or a.st.finished(), stats)
 
     def stats_of(self, key) -> GenStats:
         return next(a.stats for a in self.active if a.key == key)  # a checkpointer reads them from its on_step

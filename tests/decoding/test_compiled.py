@@ -145,8 +145,10 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     auto = Engine(lm, EngineConfig(drafters=()))
     assert not auto.runner.compiled and auto.would_build(10) == []
     calls = lm.model._specrun_decoder.compiled.calls
-    got = auto.generate(prompt, params).token_ids
+    result = auto.generate(prompt, params)
+    got = result.token_ids
     assert auto.runner.compiled and lm.model._specrun_decoder.compiled.calls > calls
+    assert result.stats["compiled_layers"] is True  # what a job's output row records
     assert got == Engine(lm, EngineConfig(drafters=(), compile_layers="on")).generate(prompt, params).token_ids
 
     monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))  # nothing cached
@@ -154,7 +156,7 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     engine = Engine(fresh, EngineConfig(drafters=()))
     assert engine.would_build(COMPILE_LAYERS_TOKENS - 1) == []
     assert engine.would_build(COMPILE_LAYERS_TOKENS) == ["the layers"]
-    engine.generate(prompt, params)
+    assert engine.generate(prompt, params).stats["compiled_layers"] is False
     assert not engine.runner.compiled and not (tmp_path / "layers").exists()
     off = Engine(fresh, EngineConfig(drafters=(), compile_layers="off"))
     assert off.would_build(10 * COMPILE_LAYERS_TOKENS) == []
