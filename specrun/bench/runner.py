@@ -46,7 +46,8 @@ DEFAULT_RUNS: tuple[RunSpec, ...] = (
     RunSpec("heads_partial", "specrun", (("drafters", ("heads",)), ("kv_mode", "partial")), needs_heads=True),
     # fused drafting in place of the self-draft forward, beside the other drafters
     RunSpec("fused_spec", "specrun", (("drafters", ("fused", "ngram", "recycling")),), needs_heads=True),
-    # the layers compiled by inductor (decoding/forward/compiled.py): minutes of compiling before the first step
+    # the layers compiled by inductor (decoding/forward/compiled.py; specrun_* may run them too, where compile_layers
+    # auto finds them cached): about a minute a package the first time on a machine, a second or two after
     RunSpec("compiled_ar", "specrun", (("drafters", ()), ("compile_layers", "on")), by_name=True),
     RunSpec("compiled_spec", "specrun", (("compile_layers", "on"),), by_name=True),
     # specrun_spec with the 4-bit draft never compiled: what compile_draft auto changes on long runs
@@ -169,9 +170,9 @@ class _Stepped:
         self.draft_built = getattr(draft, "built", None)  # packages built here (0: every one loaded from the cache)
         self.draft_eager = compilable(draft)  # torch's 4-bit draft left uncompiled (a failed compile warned already)
         layers = engine.runner.decoder.compiled if engine.runner.compiled else None
-        self.layers = None if layers is None else {  # its packages: built here, or loaded from the cache (seconds)
-            "built": {("1 row", "n rows")[k == 0]: s for k, s in layers.compile_seconds.items()},
-            "loaded": {("1 row", "n rows")[k == 0]: s for k, s in layers.load_seconds.items()}}
+        rows = {1: "1 row", 0: "n rows"}  # its packages: built here, or loaded from the cache (seconds)
+        self.layers = None if layers is None else {"built": {rows[k]: s for k, s in layers.compile_seconds.items()},
+                                                   "loaded": {rows[k]: s for k, s in layers.load_seconds.items()}}
         self.steps = engine.steps(prompt_ids, params)
         self.clock = LengthClock(tuple(lengths))
         self.seconds, self.result = 0.0, None

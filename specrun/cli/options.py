@@ -166,6 +166,9 @@ ENGINE_FLAGS = {"draft": "drafters", "trie_budget": "trie_budget", "ngram_topk":
 def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> EngineConfig:
     """EngineConfig from every engine flag; with `base`, only the flags named in `given` (set on the command line)
     replace base's values (`specrun resume`)."""
+    if kw.get("compile_all") and kw.get("compile_layers") == "off":
+        raise click.BadParameter("--compile compiles the layers: it contradicts --compile-layers off",
+                                 param_hint="--compile")
     fields = dict(drafters=parse_draft(kw["draft"]), trie_budget=kw["trie_budget"], ngram_topk=kw["ngram_topk"],
                   adaptive_budget=not kw["fixed_budget"], heads_path=kw["heads_path"],
                   drafter_path=parse_drafter(kw["drafter_path"]), tree=parse_tree(kw["tree"]),

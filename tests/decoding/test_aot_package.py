@@ -127,3 +127,4 @@ def test_a_package_with_weights_apart_stores_none_of_them_and_runs_on_the_models
     assert [id(t) for ts in pool.values() for t in ts] == [id(t) for t in derived]  # the first package's copies serve
     with torch.inference_mode():
         torch.testing.assert_close(again(x), m(x), rtol=1e-5, atol=1e-5)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["layers-1-0abc.pt2", "layers-n-0def.pt2"]  # no links left

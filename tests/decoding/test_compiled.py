@@ -105,6 +105,7 @@ def test_a_later_process_loads_the_packages_which_hold_no_copy_of_the_weights(mo
             stored = {i.filename.rsplit("/", 1)[-1] for i in z.infolist() if "/data/weights/" in i.filename}
             config = next(n for n in z.namelist() if n.endswith("weights_config.json"))
             files = {name: f for name, (f, *_) in json.loads(z.read(config)).items()}
+        assert any(name in files for name in later.shared)  # the model's weights are constants of the package
         assert files and all(name in later.shared for name, f in files.items() if f not in stored)
         assert not any(files[name] in stored for name in later.shared if name in files)  # none of the model's own
         assert len(stored) >= 4 * len(lm.model.model.layers)  # the packed products, four a layer
@@ -139,15 +140,14 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     from specrun.decoding.forward import compiled
     from specrun.models.loader import load_model
 
-    lm = models["qwen3"]
+    lm = load_model(tiny_models["qwen3"], dtype="float32")  # as a new process: the fixture's packages on disk only
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
     prompt = list(lm.tokenizer("the cat sat on the mat. the cat").input_ids)
     auto = Engine(lm, EngineConfig(drafters=()))
     assert not auto.runner.compiled and auto.would_build(10) == []
-    calls = lm.model._specrun_decoder.compiled.calls
     result = auto.generate(prompt, params)
-    got = result.token_ids
-    assert auto.runner.compiled and lm.model._specrun_decoder.compiled.calls > calls
+    got, layers = result.token_ids, auto.runner.decoder.compiled
+    assert auto.runner.compiled and layers.calls > 0 and sorted(layers.load_seconds) == [1] and not layers.compile_seconds
     assert result.stats["compiled_layers"] is True  # what a job's output row records
     assert got == Engine(lm, EngineConfig(drafters=(), compile_layers="on")).generate(prompt, params).token_ids
 

@@ -158,6 +158,17 @@ def test_compiled_layers_may_change_on_resume_and_a_compiled_run_says_so():
         assert "sdpa, compiled layers, checkpoint every 64 tokens" in describe(rec)
 
 
+def test_a_manifest_with_compile_layers_as_a_bool_resumes_as_on_or_off_and_flags_that_contradict_are_refused(tmp_path):
+    from specrun.actors.worker import engine_config
+
+    assert engine_config({"compile_layers": True}).compile_layers == "on"
+    assert engine_config({"compile_layers": False}).compile_layers == "off"
+    assert engine_config({}).compile_layers == "auto"
+    r = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--model", "demo", "--max-tokens", "2", "--compile",
+                                  "--compile-layers", "off"])
+    assert r.exit_code == 2 and "--compile compiles the layers: it contradicts --compile-layers off" in r.output
+
+
 def test_unreadable_attempt_records_are_reported_not_raised(tmp_path):
     job = JobDir(tmp_path)
     job.attempts_dir.mkdir()

@@ -148,7 +148,8 @@ class RingForward:
         where = self._path(rows)
         fn = aot_package.load(where)
         if fn is None:  # ring_package.build says so on stderr
-            fn = ring_package.build(self.graph, self._example(2 - (rows == 1)), rows, self.sinks + self.full, where)
+            example = self._example(1 if rows == 1 else 2)
+            fn = ring_package.build(self.graph, example, rows, self.sinks + self.full, where)
             self.built += 1
         return fn
 

@@ -8,7 +8,6 @@ the weights, the code that traces it, torch, the CPU and its threads.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
@@ -25,17 +24,11 @@ SOURCES = ("quant_ring.py", "quant_torch.py", "../forward/decoder.py", "../forwa
 
 
 def package_name(graph: torch.nn.Module, rows: int, max_keys: int) -> str:
-    """A name for graph's package: its weights (sampled), shapes and constants, the traced code, and what
-    aot_package.digest adds (torch, the CPU, its threads)."""
-    h = hashlib.sha256()
-    here = Path(__file__).parent
-    for src in SOURCES:
-        h.update((here / src).read_bytes())
+    """A name for graph's package (aot_package.name): its weights, shapes and constants, the traced code."""
     layers = [(L.scaling, aot_package.act_id(L.act), L.ln1.eps, L.ln2.eps,
                *(n if n is None else n.eps for n in (L.q_norm, L.k_norm))) for L in graph.layers]
-    aot_package.digest(h, graph, rows, max_keys, graph.nq, graph.nkv, graph.D, graph.inter, layers, graph.norm.eps,
-                       graph.options)
-    return f"{PREFIX}-{'1' if rows == 1 else 'n'}-{h.hexdigest()[:20]}.pt2"
+    return aot_package.name(PREFIX, "1" if rows == 1 else "n", Path(__file__).parent, SOURCES, graph, rows, max_keys,
+                            graph.nq, graph.nkv, graph.D, graph.inter, layers, graph.norm.eps, graph.options)
 
 
 def path(graph: torch.nn.Module, rows: int, max_keys: int) -> Path:

@@ -1,7 +1,7 @@
 """AOTInductor packages in the specrun cache: compiled once per machine and model, then loaded by any later process in
 about a second. The 4-bit draft's graph (drafters/ring_package.py) and the compiled layers (compiled.py) are packages.
 
-A package is named by whatever changes what it computes or where it runs (its caller hashes that with digest()); load()
+A package is named by whatever changes what it computes or where it runs (name()); load()
 returns its callable or None, write() compiles and puts it in place atomically, then prunes packages long unused. A
 package may keep its model's weights apart (shared): it then holds only what the compile derived from them (packed
 copies), and load() hands it the model's own tensors, uncopied.
@@ -10,6 +10,7 @@ copies), and load() hands it the model's own tensors, uncopied.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -44,22 +45,27 @@ def host() -> str:
     return f"{flags}\0{os.environ.get('ATEN_CPU_CAPABILITY', '')}"
 
 
-def digest(h, module: torch.nn.Module, *parts) -> None:
-    """Feed h what a package of module computes with: parts (its code, shapes and constants, by repr), torch and
-    transformers, the CPU's features and the threads its loops are compiled for (inductor fixes them at compile time),
-    and module's tensors (a large one sampled at 64 places)."""
+def name(prefix: str, tag: str, folder: Path, sources: tuple[str, ...], module: torch.nn.Module, *parts) -> str:
+    """`prefix-tag-<hash>.pt2`, the hash of what a package of module computes with and where it runs: the sources its
+    trace reads (paths under folder), parts (shapes and constants, by repr), torch and transformers, the CPU's
+    features and the threads its loops are compiled for (inductor fixes them at compile time), and module's tensors
+    (a large one sampled at 64 places)."""
     import transformers
 
+    h = hashlib.sha256()
+    for src in sources:
+        h.update((folder / src).read_bytes())
     h.update(repr((torch.__version__, transformers.__version__, host(), torch.get_num_threads(), *parts)).encode())
-    for name, t in module.state_dict().items():
+    for key, t in module.state_dict().items():
         raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
-        h.update(f"{name}\0{tuple(t.shape)}\0{t.dtype}\0".encode())
+        h.update(f"{key}\0{tuple(t.shape)}\0{t.dtype}\0".encode())
         if raw.size <= 64 * SAMPLE:
             h.update(raw.tobytes())
         else:
             for i in range(64):
                 at = i * (raw.size - SAMPLE) // 63
                 h.update(raw[at : at + SAMPLE].tobytes())
+    return f"{prefix}-{tag}-{h.hexdigest()[:20]}.pt2"
 
 
 def act_id(act) -> str:
@@ -69,23 +75,53 @@ def act_id(act) -> str:
 
 def load(where: Path, shared: dict[str, torch.Tensor] | None = None, pool: dict | None = None):
     """The package's callable, or None where there is none or where the file is damaged (removed, to be built again).
-    A sound file that does not load here raises (the caller runs eagerly): another process, or host, may load it.
-    shared: the tensors of a package built with them apart, by constant name; pool: the derived constants of packages
-    loaded before (filled here), one copy of each in memory where two packages derived the same."""
+    A sound file that does not load here raises (the caller decides: the draft drafts eagerly, compile_layers auto
+    runs the eager layers): another process, or host, may load it. shared: the tensors of a package built with them
+    apart, by constant name; pool: the derived constants of packages loaded before (filled here), one copy of each in
+    memory where two packages derived the same."""
     if not where.is_file():
         return None
-    try:
-        fn = torch._inductor.aoti_load_package(str(where))
-        if shared is not None:
-            fn.load_constants(_constants(where, shared, pool), check_full_update=True, user_managed=True)
-    except Exception:
-        if _sound(where):
-            raise
-        where.unlink(missing_ok=True)
-        return None
+    with _pinned(where) as path:  # its library and its constants from one file, whatever a builder renames meanwhile
+        if path is None:
+            return None
+        try:
+            fn = torch._inductor.aoti_load_package(str(path))
+            if shared is not None:
+                fn.load_constants(_constants(path, shared, pool), check_full_update=True, user_managed=True)
+        except Exception:
+            if _sound(path):
+                raise
+            with contextlib.suppress(OSError):
+                if os.path.samefile(path, where):  # not a sound one put in place meanwhile
+                    where.unlink()
+            return None
     with contextlib.suppress(OSError):  # its time of last use, which prune() reads
         os.utime(where)
     return fn
+
+
+@contextlib.contextmanager
+def _pinned(where: Path):
+    """A private hard link to the file at where (None: gone), removed after; where itself where links fail."""
+    link = where.parent / f".{where.name}.{os.getpid()}.{time.monotonic_ns()}.load"
+    try:
+        os.link(where, link)
+    except FileNotFoundError:
+        yield None
+        return
+    except OSError:
+        yield where
+        return
+    try:
+        yield link
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def _weights_config(archive) -> tuple[str, dict]:
+    """The weights_config.json of a package's archive: its record name and {constant: [file, shape, stride, offset]}."""
+    name = next(n for n in archive.get_file_names() if n.endswith("weights_config.json"))
+    return name, json.loads(archive.read_string(name))
 
 
 def _constants(where: Path, shared: dict[str, torch.Tensor], pool: dict | None) -> dict[str, torch.Tensor]:
@@ -95,8 +131,7 @@ def _constants(where: Path, shared: dict[str, torch.Tensor], pool: dict | None) 
 
     out = {}
     with PT2ArchiveReader(str(where)) as archive:
-        config = next(n for n in archive.get_file_names() if n.endswith("weights_config.json"))
-        for name, (file, shape, stride, offset) in json.loads(archive.read_string(config)).items():
+        for name, (file, shape, stride, offset) in _weights_config(archive)[1].items():
             t = shared.get(name)
             if t is None:
                 t = torch.load(io.BytesIO(archive.read_bytes(f"data/weights/{file}"))).as_strided(shape, stride, offset)
@@ -123,11 +158,11 @@ def _drop_shared(built: str, out: str, shared: dict[str, torch.Tensor]) -> None:
     from torch.export.pt2_archive._package import PT2ArchiveReader, PT2ArchiveWriter
 
     with PT2ArchiveReader(built) as archive, PT2ArchiveWriter(out) as copy:
-        names = archive.get_file_names()
-        config = next(n for n in names if n.endswith("weights_config.json"))
-        drop = {f"data/weights/{file}" for name, (file, *_) in json.loads(archive.read_string(config)).items()
-                if name in shared}
-        for n in names:  # the writer adds its own format, version and serial records
+        files: dict[str, list[str]] = {}  # a file's constants (torch stores views of one storage in one file)
+        for name, (file, *_) in _weights_config(archive)[1].items():
+            files.setdefault(f"data/weights/{file}", []).append(name)
+        drop = {f for f, names in files.items() if all(n in shared for n in names)}
+        for n in archive.get_file_names():  # the writer adds its own format, version and serial records
             if n not in drop and n not in ("archive_format", "archive_version") and not n.startswith(".data/"):
                 copy.write_bytes(n, archive.read_bytes(n))
 
@@ -162,11 +197,11 @@ def write(program, options: dict, where: Path, prefix: str, shared: dict[str, to
           pool: dict | None = None):
     """Compile the exported program ahead of time with inductor's options (the shared tensors kept apart), load it, and
     only then put it in place atomically (concurrent builders: the last rename wins); builds a process killed left
-    behind, and packages long unused, are removed. Returns the loaded callable."""
+    behind (temporary files and load()'s links), and packages long unused, are removed. Returns the loaded callable."""
     where.parent.mkdir(parents=True, exist_ok=True)
     for old in where.parent.glob(f".{prefix}-*"):
         with contextlib.suppress(OSError):
-            if time.time() - old.stat().st_mtime > ABANDONED:
+            if time.time() - old.stat().st_ctime > ABANDONED:  # a link's ctime is when it was made
                 old.unlink()
     tmps = []
     try:
@@ -177,7 +212,7 @@ def write(program, options: dict, where: Path, prefix: str, shared: dict[str, to
         with warnings.catch_warnings():  # torch's own deprecation notices from inside the packaging, not the user's
             warnings.simplefilter("ignore", FutureWarning)
             torch._inductor.aoti_compile_and_package(program, package_path=tmps[0],
-                                                     inductor_configs={**options, **(APART if shared else {})})
+                                                     inductor_configs={**options, **(APART if shared is not None else {})})
         if shared is not None:
             _drop_shared(tmps[0], tmps[1], shared)
         final = Path(tmps[-1])

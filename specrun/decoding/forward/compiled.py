@@ -11,7 +11,6 @@ A package holds the packed weights only: the model's own are handed to it at loa
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -104,31 +103,27 @@ def compile_layers(dec, max_rows: int) -> None:
         raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
     if dec.cpu_layers is not None:
         return
-    if dec.compiled is None:
-        dec.compiled = CompiledLayers(dec)
-    dec.compiled.warm(max_rows)
+    _layers(dec).warm(max_rows)
 
 
 def eligible(dec) -> bool:
     """Where compile_layers auto compiles: float32 layers on the CPU that our kernels do not run, a C++ compiler (in
     bfloat16 torch's eager products ran faster than the compiled ones on an AVX-512 CPU)."""
     w = dec.layers[0].qkv.weight
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    compiler = shutil.which(os.environ.get("CXX") or "g++")  # the compiler inductor runs
     return w.device.type == "cpu" and w.dtype == torch.float32 and dec.cpu_layers is None and compiler is not None
 
 
 def cached(dec, max_rows: int) -> bool:
     """Whether compile_layers(dec, max_rows) loads every package it needs, building none."""
+    return _layers(dec).cached(max_rows)
+
+
+def _layers(dec) -> CompiledLayers:
+    """dec's CompiledLayers, made on first use (its packages loaded or built by warm only)."""
     if dec.compiled is None:
         dec.compiled = CompiledLayers(dec)
-    return dec.compiled.cached(max_rows)
-
-
-class _NoAttention:
-    """The context of a trace: attends nothing, writes no cache (compiling needs shapes, not values)."""
-
-    def attend(self, layer, q, k, v, scaling):
-        return q.new_zeros(1, q.shape[2], q.shape[1], q.shape[3])
+    return dec.compiled
 
 
 class CompiledLayers:
@@ -208,13 +203,9 @@ def _keys(max_rows: int) -> tuple[int, ...]:
 
 
 def package_name(stack: _Stack, key: int) -> str:
-    """A name for a package of the stack: its weights (sampled), shapes and constants, the traced code, the options,
-    and what aot_package.digest adds (torch, the CPU, its threads)."""
-    h = hashlib.sha256()
-    here = Path(__file__).parent
-    for src in SOURCES:
-        h.update((here / src).read_bytes())
+    """A name for a package of the stack (aot_package.name): its weights, shapes and constants, the traced code, the
+    options."""
     layers = [(L.scaling, aot_package.act_id(L.act), *map(repr, (L.ln1, L.ln2, L.q_norm, L.k_norm)))
               for L in stack.layers]  # a norm's repr holds its epsilon
-    aot_package.digest(h, stack, key, MAX_ROWS, stack.n_q, stack.n_kv, stack.D, stack.inter, layers, OPTIONS)
-    return f"{PREFIX}-{key or 'n'}-{h.hexdigest()[:20]}.pt2"
+    return aot_package.name(PREFIX, "1" if key else "n", Path(__file__).parent, SOURCES, stack, key, MAX_ROWS, stack.n_q,
+                            stack.n_kv, stack.D, stack.inter, layers, OPTIONS)

@@ -36,7 +36,7 @@ class DecoderRunner:
         from specrun.decoding.forward.compiled import compile_layers  # inductor loads only where asked for
 
         compile_layers(self.decoder, max_rows)
-        self.compiled = True
+        self.compiled = self.decoder.compiled is not None  # where our kernels run the layers they stay the path
 
     def layers_eligible(self) -> bool:
         """Whether compile_layers auto may compile the layers (compiled.eligible)."""
