@@ -27,14 +27,20 @@ class Compiles:
             and self.config.compile_layers == "on" else quant
 
     def _layers_due(self, tokens: int) -> bool:
-        r = self.runner
-        return not r.compiled and self.layers_error is None and self.config.layers_compile(
-            tokens, r.layers_eligible, lambda: r.layers_cached(self.rows))
+        from specrun.decoding.forward import compiled  # its custom op registers only where an engine asks
+
+        return not self.runner.compiled and self.layers_error is None and self.config.layers_compile(
+            tokens, lambda: compiled.eligible(self.runner.decoder), self._layers_cached)
+
+    def _layers_cached(self) -> bool:
+        from specrun.decoding.forward import compiled
+
+        return compiled.cached(self.runner.decoder, self.rows)
 
     def would_build(self, tokens: int, quant) -> list[str]:
         """What expect(tokens) would compile that the cache lacks (a minute or more each, not a load)."""
         draft = qd.compilable(quant) and self.config.draft_compiles(tokens) and not qd.draft_cached(quant, self.several)
-        layers = self._layers_due(tokens) and not self.runner.layers_cached(self.rows)
+        layers = self._layers_due(tokens) and not self._layers_cached()
         return [what for what, due in (("the layers", layers), ("the 4-bit self-draft", draft)) if due]
 
     def expect(self, tokens: int, quant):

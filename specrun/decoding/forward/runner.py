@@ -38,18 +38,6 @@ class DecoderRunner:
         compile_layers(self.decoder, max_rows)
         self.compiled = self.decoder.compiled is not None  # where our kernels run the layers they stay the path
 
-    def layers_eligible(self) -> bool:
-        """Whether compile_layers auto may compile the layers (compiled.eligible)."""
-        from specrun.decoding.forward.compiled import eligible
-
-        return eligible(self.decoder)
-
-    def layers_cached(self, max_rows: int) -> bool:
-        """Whether use_compiled(max_rows) would load, not build (compiled.cached)."""
-        from specrun.decoding.forward.compiled import cached
-
-        return cached(self.decoder, max_rows)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """# hidden: [T, H] -> [T, V] (FusedDecoder.logits)"""
         return self.decoder.logits(hidden)

@@ -35,12 +35,6 @@ class SoloRunner:
     def use_compiled(self, max_rows: int) -> None:
         self.runner.use_compiled(max_rows)
 
-    def layers_eligible(self) -> bool:
-        return self.runner.layers_eligible()
-
-    def layers_cached(self, max_rows: int) -> bool:
-        return self.runner.layers_cached(max_rows)
-
     def use_static(self) -> None:
         """Verify forwards (no partial cache, no queries kept) through static_step's buckets from now on."""
         self.static = StaticStep(self.runner)
