@@ -2,6 +2,7 @@
 load is kept; packages long unused go, past the most recently used; a package built with the model's weights apart
 stores only what the compile derived from them and computes as the module does."""
 
+import logging
 import os
 import shutil
 import time
@@ -99,6 +100,15 @@ class _Two(torch.nn.Module):
         return F.linear(torch.relu(F.linear(x, self.w1)), self.w2)
 
 
+class _Said(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor compiles C++")
 def test_a_package_with_weights_apart_stores_none_of_them_and_runs_on_the_models_own(tmp_path):
     from specrun.decoding.forward.compiled import OPTIONS
@@ -112,7 +122,13 @@ def test_a_package_with_weights_apart_stores_none_of_them_and_runs_on_the_models
     with zipfile.ZipFile(where) as z:
         stored = [i for i in z.infolist() if "/data/weights/" in i.filename]
     assert stored and sum(i.file_size for i in stored) < 1.5 * sum(t.nbytes for t in shared.values())  # packed only
-    fn = aot_package.load(where, shared)  # as a later process does
+    said = _Said()
+    logging.getLogger("torch.export").addHandler(said)  # torch's own handler there writes to the user's stderr
+    try:
+        fn = aot_package.load(where, shared)  # as a later process does
+    finally:
+        logging.getLogger("torch.export").removeHandler(said)
+    assert said.records == []  # torch's loader took the file's name without a warning
     with torch.inference_mode():
         torch.testing.assert_close(fn(x), m(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="w1"):

@@ -102,8 +102,9 @@ def load(where: Path, shared: dict[str, torch.Tensor] | None = None, pool: dict 
 
 @contextlib.contextmanager
 def _pinned(where: Path):
-    """A private hard link to the file at where (None: gone), removed after; where itself where links fail."""
-    link = where.parent / f".{where.name}.{os.getpid()}.{time.monotonic_ns()}.load"
+    """A private hard link to the file at where (None: gone), removed after; where itself where links fail. Its name
+    ends .pt2, as torch's loader asks (else it warns on stderr)."""
+    link = where.parent / f".{where.name}.{os.getpid()}.{time.monotonic_ns()}.load.pt2"
     try:
         os.link(where, link)
     except FileNotFoundError:
