@@ -41,7 +41,7 @@ class Compiles:
         """What expect(tokens) would compile that the cache lacks (a minute or more each, not a load)."""
         draft = qd.compilable(quant) and self.config.draft_compiles(tokens) and not qd.draft_cached(quant, self.several)
         layers = self._layers_due(tokens) and not self._layers_cached()
-        return [what for what, due in (("the layers", layers), ("the 4-bit self-draft", draft)) if due]
+        return [what for what, due in (("the layers", layers), ("the quantized self-draft", draft)) if due]
 
     def expect(self, tokens: int, quant):
         """Compile (or load) what generations asking `tokens` new tokens in all pay for; returns the 4-bit forward

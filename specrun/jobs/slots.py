@@ -75,13 +75,13 @@ class _Slots:
                     if ray.wait([st.load], timeout=0)[0]:
                         info = ray.get(st.load, timeout=0)
                         if info.get("compiles") and not st.warming:  # before any prompt: nothing stalls mid-run
-                            what = " and ".join(info.get("builds") or ["the 4-bit self-draft"])
+                            what = " and ".join(info.get("builds") or ["the quantized self-draft"])
                             self.display.log(f"{who}: compiling {what} for this machine (a minute or more each, once: "
                                              f"later runs load them)")
                             st.load, st.warming, st.placed_at = self.workers[slot].warm.remote(), True, now
                             continue
                         if info.get("compile_failed"):
-                            self.display.warn(f"{who}: the 4-bit self-draft did not compile ({info['compile_failed']});"
+                            self.display.warn(f"{who}: the quantized self-draft did not compile ({info['compile_failed']});"
                                               f" it drafts with the eager one")
                         if info.get("layers_failed"):
                             self.display.warn(f"{who}: the layers did not compile ({info['layers_failed']}); they run "

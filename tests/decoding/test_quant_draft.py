@@ -551,7 +551,7 @@ def test_a_draft_whose_compile_fails_drafts_eagerly_after_one_warning(model_dir,
         result = engine.generate(PROMPT, SAMPLED)
         assert result.token_ids == ar and result.stats["mean_accepted"] > 3.0, result.stats
     assert engine.quant is eager and isinstance(eager, TorchForward) and tries == [False]
-    assert "compiling the 4-bit self-draft failed (RuntimeError: no C++ compiler found)" in capsys.readouterr().err
+    assert "compiling the quantized self-draft failed (RuntimeError: no C++ compiler found)" in capsys.readouterr().err
     batched = Engine(lm, EngineConfig(drafters=("quant",), compile_draft="on"),
                      BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
     assert batched.admit(0, PROMPT, SAMPLED) and batched.quant is eager and tries == [False]

@@ -39,10 +39,12 @@ def _near(logits: torch.Tensor, ids: torch.Tensor, want: torch.Tensor, where) ->
     assert (logits[kept] - want[ids][kept]).abs().max() <= 0.02 * want.abs().max(), where
 
 
-@pytest.mark.parametrize("compiled,window,first", [(False, 5, 512), (False, 12, 4), (True, 12, 4)],
-                         ids=["window 5", "window 12, the ring growing", "compiled, the ring growing"])
+@pytest.mark.parametrize("compiled,window,first,bits", [(False, 5, 512, 4), (False, 12, 4, 4), (True, 12, 4, 4),
+                                                         (True, 12, 4, 8)],
+                         ids=["window 5", "window 12, the ring growing", "compiled, the ring growing",
+                              "compiled in 8 bits (an AVX2 CPU's), the ring growing"])
 def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smooth_dir, monkeypatch, compiled, window,
-                                                                           first):
+                                                                           first, bits):
     """2 sinks and a short window over a 13-token prompt: four drafts of 3 tokens, 2 of each committed (the target's own
     K/V replace the drafted ones), the ring starting at `first` slots past the sinks. Each drafted token attends
     exactly the sinks and the window's positions before it, each committed one holding the target's K/V (in bf16);
@@ -54,7 +56,7 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     runner = ModelRunner(lm, max_rows=16)
     runner.reset(64)
     runner.prefill(torch.tensor(PROMPT), 8)
-    fwd = TorchForward.of(runner.decoder)
+    fwd = TorchForward(runner.decoder, bits)
     ring = RingForward(fwd)
     if compiled:
         ring.warm()  # the ring grows from 6 slots to 22 below: one package for every length
@@ -85,6 +87,20 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     assert ring.calls == 12 and runner.cache.length == len(PROMPT) + 8
     need = len(PROMPT) + 6 + 3 - 2  # the last draft's positions past the sinks: grown in steps to them, or to the whole
     assert ring.span == min(window + quant_ring.RESERVE, -(-need // first) * first)  # window and its reserve
+
+
+@pytest.mark.parametrize("cpu,bits", [("AVX2", 8), ("AVX512", 4), ("DEFAULT", 4)])
+def test_an_engines_compiled_draft_runs_8_bit_layers_on_an_avx2_cpu(smooth_dir, monkeypatch, cpu, bits):
+    """On an AVX2 CPU (torch's int4 product compute-bound there) the compiled draft of a model on a 4-bit grid runs its
+    layers in 8 bits through inductor's int8 GEMM template (weights frozen, autotuned); elsewhere in the draft's own 4."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
+    fwd = TorchForward.of(FusedDecoder.of(_on_grid(load_model(str(smooth_dir), dtype="float32")).model))
+    assert fwd.bits == 4
+    ring = quant_ring.ring_of(fwd)
+    assert ring.fwd.bits == bits and (ring.fwd is fwd) == (bits == 4)
+    assert all(isinstance(L.down, quant_torch.Int8Linear if bits == 8 else quant_torch.Int4Linear)
+               for L in ring.graph.layers)
+    assert ring.graph.options.get("max_autotune", False) == (bits == 8)
 
 
 def test_the_graph_chooses_the_candidates_the_eager_rule_keeps(smooth_dir):

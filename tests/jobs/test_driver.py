@@ -492,7 +492,7 @@ def test_a_worker_whose_draft_must_compile_is_warmed_before_its_first_prompt(tmp
             compiles = self.engine is not None and not self.warmed and self.spec.tokens_ahead >= 48
             failed = "RuntimeError: no compiler" if self.warmed else None
             return {**super().info(), "compiles": compiles, "compile_failed": failed, "layers_failed": failed,
-                    "builds": ["the layers", "the 4-bit self-draft"] if compiles else []}
+                    "builds": ["the layers", "the quantized self-draft"] if compiles else []}
 
         def warm(self) -> dict:
             time.sleep(2)  # a prompt sent before warm() returned would arrive meanwhile
@@ -509,8 +509,8 @@ def test_a_worker_whose_draft_must_compile_is_warmed_before_its_first_prompt(tmp
     job = _job(tmp_path, model, [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}], max_tokens=24)
     assert run_job(job, RunOptions()).exit_code == EXIT_OK
     said = capsys.readouterr()
-    assert "worker 0: compiling the layers and the 4-bit self-draft for this machine" in said.out
+    assert "worker 0: compiling the layers and the quantized self-draft for this machine" in said.out
     assert "worker 0: the layers did not compile (RuntimeError: no compiler); they run eagerly" in said.err
-    assert "worker 0: the 4-bit self-draft did not compile (RuntimeError: no compiler); it drafts with the eager one" \
+    assert "worker 0: the quantized self-draft did not compile (RuntimeError: no compiler); it drafts with the eager one" \
         in said.err
     assert job_status(job)["totals"]["done"] == 2

@@ -131,7 +131,7 @@ def compiled_draft(forward, batched: bool = False):
         return ring_forward(forward, batched)
     except Exception as e:  # noqa: BLE001 (export and inductor raise many kinds; the eager draft serves)
         forward._specrun_compile_failed = f"{type(e).__name__}: {str(e)[:200]}"  # why (a worker reports it)
-        print(f"specrun: warning: compiling the 4-bit self-draft failed ({forward._specrun_compile_failed}); "
+        print(f"specrun: warning: compiling the quantized self-draft failed ({forward._specrun_compile_failed}); "
               f"drafting with the eager one", file=sys.stderr, flush=True)
         return forward
 

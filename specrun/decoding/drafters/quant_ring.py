@@ -24,6 +24,8 @@ RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft
 # inductor: a value read twice (the rotated query) stored, not recomputed inside the loop over keys (inlined, the
 # query's RoPE ran once per key and head)
 OPTIONS = {"realize_reads_threshold": 1}
+# 8-bit layers (quant_torch.compiled_bits): inductor's C++ GEMM template for int8 weights, the weights frozen into it
+INT8 = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 CANDIDATES = 64  # a drafted token's candidates: the best of the penalised 4-bit logits, rescored by the model's own
 # head rows in the graph (the eager draft keeps every token within its margin: ~40 a row on smollm2, sampled)
 _ROWS = {False: (1,), True: (1, 0)}  # the packages warm(batched) needs: one sequence a call, and several (rows 0)
@@ -43,7 +45,7 @@ class _Graph(torch.nn.Module):
         self.layers = torch.nn.ModuleList(fwd.layers)  # quant_torch's modules: the same tensors, no copy
         self.norm, self.head = fwd.norm, fwd.head
         self.candidates = min(CANDIDATES, fwd.rows.shape[0])
-        self.options = OPTIONS
+        self.bits, self.options = fwd.bits, OPTIONS if fwd.bits == 4 else {**OPTIONS, **INT8}
 
     def forward(self, x, cos, sin, K, V, mask, counts, theta, below, rows):
         """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf),
@@ -284,9 +286,10 @@ class RingForward:
 
 
 def ring_of(fwd: TorchForward) -> RingForward:
-    """The compiled draft of a TorchForward, built once per forward (so once per decoder); not warmed."""
+    """The compiled draft of a TorchForward (in quant_torch.compiled_bits), built once per forward; not warmed."""
     if not hasattr(fwd, "_specrun_ring"):
-        fwd._specrun_ring = RingForward(fwd)
+        bits = quant_torch.compiled_bits(fwd)
+        fwd._specrun_ring = RingForward(fwd if bits == fwd.bits else TorchForward(fwd.dec, bits))
     return fwd._specrun_ring
 
 

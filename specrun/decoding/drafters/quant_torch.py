@@ -100,6 +100,12 @@ class Int8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def compiled_bits(fwd) -> int:
+    """The bits of the compiled draft's layers (quant_ring.py): 8 on an AVX2 CPU, where torch's int4 product is
+    compute-bound and inductor's int8 GEMM template (AVX2) runs faster (docs/benchmarks.md, stop 67); else fwd's own."""
+    return 8 if fwd.device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2" else fwd.bits
+
+
 def on_grid(weights: list[torch.Tensor]) -> bool:
     """Whether these weights already sit on a 4-bit grid of groups of 32 (a GGUF Q4 model's): their round trip through
     quant.grid moves them by under 5% of a step on average (a model trained in bf16: ~25%)."""

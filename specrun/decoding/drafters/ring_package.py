@@ -39,7 +39,7 @@ def path(graph: torch.nn.Module, rows: int, max_keys: int) -> Path:
 def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, where: Path):
     """Export graph at the example's shapes (the keys dynamic up to max_keys, and the sequences where rows is 0) and
     write its package (aot_package.write), with progress on stderr; returns the loaded callable."""
-    print(f"specrun: compiling the 4-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
+    print(f"specrun: compiling the {graph.bits}-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
           f"(AOTInductor, ~1 minute once per machine and model; cached in {where.parent})", file=sys.stderr, flush=True)
     keys = torch.export.Dim("R", min=2, max=max_keys)
     seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
