@@ -106,7 +106,7 @@ engine_options = stack_options(
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                  help="CPUs where specrun's kernels do not run: the 4-bit self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "
-                      "model (~1 minute for smollm2; kept in the specrun cache), loaded in about a second after. auto: "
+                      "model (1-3 min for smollm2; kept in the specrun cache), loaded in about a second after. auto: "
                       "at once where it is cached, else once a worker's generations ask for 4,096 new tokens in all. "
                       "--compile-layers on compiles it whatever this says."),
 )

@@ -1,5 +1,6 @@
 """The compiled draft's graph (quant_ring._Graph) as an AOTInductor package in the specrun cache (aot_package.py):
-built once per machine and model (~1 minute for smollm2), then loaded by any later process in about a second.
+built once per machine and model (1-3 minutes for smollm2: 3 where its layers are 8-bit, autotuned), then loaded by
+any later process in about a second.
 
 path(graph, rows) names the package of a graph for one sequence a call (rows 1) or several (rows 0); build() exports
 and compiles it. A package is a proposal-maker only (I1): a wrong one would cost speed, never output; its name covers
@@ -40,7 +41,8 @@ def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, wher
     """Export graph at the example's shapes (the keys dynamic up to max_keys, and the sequences where rows is 0) and
     write its package (aot_package.write), with progress on stderr; returns the loaded callable."""
     print(f"specrun: compiling the {graph.bits}-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
-          f"(AOTInductor, ~1 minute once per machine and model; cached in {where.parent})", file=sys.stderr, flush=True)
+          f"(AOTInductor, 1-3 minutes once per machine and model; cached in {where.parent})", file=sys.stderr,
+          flush=True)
     keys = torch.export.Dim("R", min=2, max=max_keys)
     seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
     dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: keys}, "V": {0: seqs, 3: keys},
