@@ -104,7 +104,7 @@ engine_options = stack_options(
                       "several), kept in the specrun cache, loaded in a second or two after. auto: in float32, at "
                       "once where cached, else once a worker's generations ask for 16,384 new tokens in all."),
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                 help="CPUs where specrun's kernels do not run: the 4-bit self-draft as one graph a drafted token "
+                 help="CPUs where specrun's kernels do not run: the quantized self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "
                       "model (1-3 min for smollm2; kept in the specrun cache), loaded in about a second after. auto: "
                       "at once where it is cached, else once a worker's generations ask for 4,096 new tokens in all. "
