@@ -107,7 +107,8 @@ engine_options = stack_options(
                  help="CPUs where specrun's kernels do not run: the quantized self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "
                       "model (1-3 min for smollm2; kept in the specrun cache), loaded in about a second after. auto: "
-                      "at once where it is cached, else once a worker's generations ask for 4,096 new tokens in all. "
+                      "at once where it is cached, else once a worker's generations ask for 4,096 new tokens in all "
+                      "(a worker of several sequences drafts with it only compiled; off: eagerly). "
                       "--compile-layers on compiles it whatever this says."),
 )
 

@@ -26,6 +26,13 @@ class Compiles:
         return qd.compiled_draft(quant, batched=self.several) if quant is not None \
             and self.config.compile_layers == "on" else quant
 
+    def drafting(self, quant):
+        """The 4-bit forward a step drafts with, or None: with several sequences a step under compile_draft auto, not
+        the eager draft on the CPU (its forward for every sequence cost more than it saved: docs/benchmarks.md, stop
+        68), so auto drafts from the compiled one (cached, or built once the generations ask enough); off: eagerly."""
+        eager = self.several and self.config.compile_draft == "auto" and qd.compilable(quant)
+        return None if eager else quant
+
     def _layers_due(self, tokens: int) -> bool:
         from specrun.decoding.forward import compiled  # its custom op registers only where an engine asks
 

@@ -58,7 +58,7 @@ class EngineConfig:
     # not run the layers: at once where cached, else once an engine's generations ask for COMPILE_LAYERS_TOKENS)
     compile_draft: str = "auto"  # the 4-bit self-draft on torch's kernels as one compiled graph (quant_ring.py): on,
     # off, or auto (at once where its packages are cached, else once an engine's generations ask for
-    # COMPILE_DRAFT_TOKENS new tokens in all)
+    # COMPILE_DRAFT_TOKENS new tokens in all; an engine of several sequences drafts with it only compiled: compiles.py)
 
     def __post_init__(self):
         if isinstance(self.compile_layers, bool):  # a manifest written before auto: True was --compile

@@ -168,8 +168,9 @@ class Engine:
         drafting = [a for a in live if a.heads is not None] if budget > 1 else []
         if drafting:  # one self-draft forward for all: each root over its own partial cache
             draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
-        if self.quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
-            qd.draft_batch(self.quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
+        quant = self.compiles.drafting(self.quant)
+        if quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
+            qd.draft_batch(quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
         full = self.config.trie_budget
         drafts = [draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device) for a in live]
         t_trie = time.perf_counter()

@@ -341,6 +341,27 @@ def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_t
     assert ring.calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
 
 
+def test_a_batched_engine_drafts_with_its_eager_draft_only_under_compile_draft_off(model_dir, tmp_path,  # noqa: F811
+                                                                                  monkeypatch):
+    """Several sequences a step, nothing cached and too few tokens asked for a compile: under compile_draft auto the
+    quantized self-draft drafts nothing until its compiled graph is there (eager, its forward for every sequence cost
+    more than it saved); off drafts eagerly. Outputs are AR's either way."""
+    from specrun.decoding.engine import BatchConfig, Engine
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))
+    lm = _model(model_dir, "torch", "float32")
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    ar = [Engine(lm, EngineConfig(drafters=())).generate(p, SAMPLED).token_ids for p in prompts]
+    drafted = {}
+    for mode in ("auto", "off"):
+        engine = Engine(lm, EngineConfig(drafters=("quant",), trie_budget=4, adaptive_budget=False,
+                                         compile_draft=mode), BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
+        got = engine.run([(i, p, SAMPLED, []) for i, p in enumerate(prompts)])
+        assert isinstance(engine.quant, TorchForward) and [got[i].token_ids for i in range(2)] == ar, mode
+        drafted[mode] = [got[i].stats["tokens_by_drafter"]["quant"] for i in range(2)]
+    assert drafted["auto"] == [0, 0] and min(drafted["off"]) > 0, drafted
+
+
 def test_compile_draft_takes_auto_on_or_off():
     with pytest.raises(ValueError, match="compile_draft='sometimes'; choose from auto, on, off"):
         EngineConfig(compile_draft="sometimes")
