@@ -26,8 +26,9 @@ def prompt_variants(text: str, n: int) -> list[str]:
 
 def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels: tuple[int, ...],
                     configs: dict[str, EngineConfig], repeat: int = 1, backend: str = "auto",
-                    log: Callable[[str], None] = lambda m: None) -> list[dict]:
-    """Every (config, level) `repeat` times, interleaved; level c runs prompts[:c] at once (EOS ignored, no stops)."""
+                    log: Callable[[str], None] = lambda m: None, lockstep: bool = True) -> list[dict]:
+    """Every (config, level) `repeat` times, interleaved; level c runs prompts[:c] at once (EOS ignored, no stops).
+    lockstep: a level's configs take turns a step each (_lockstep), else whole runs one after another."""
     params = dataclasses.replace(params, ignore_eos=True, stop=(), stop_token_ids=())
     need = max(len(p) for p in prompts) + params.max_tokens + max(c.trie_budget for c in configs.values()) + 1
     backend = resolve_backend(backend, lm.dtype, lm.device, FusedDecoder.of(lm.model).head_dim)
@@ -36,27 +37,21 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     def engine(config: EngineConfig, c: int) -> Engine:
         return Engine(lm, config, BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page, backend=backend))
 
-    jobs = [(name, c) for c in levels for name in configs]
+    jobs = [[(name, c) for name in configs] for c in levels] if lockstep else [[(name, c)] for c in levels
+                                                                                for name in configs]
     outputs: list[dict[int, list[int]]] = []  # per row: each prompt's tokens
     out = []
     for r in range(repeat):
         k = r % len(jobs)
-        for name, c in jobs[k:] + jobs[:k]:
-            batch = engine(configs[name], c)
-            batch.prepare(dataclasses.replace(params, max_tokens=c * params.max_tokens))  # its c admits' total:
-            # compiling is not timed
-            t0 = time.perf_counter()
-            results = batch.run([(i, prompts[i], params, []) for i in range(c)])
-            seconds = time.perf_counter() - t0
-            tokens = sum(len(res.token_ids) for res in results.values())
-            row = {"name": name, "concurrency": c, "repeat": r, "tokens": tokens, "seconds": seconds,
-                   "tokens_per_s": tokens / seconds,
-                   "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
-                   "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
-            outputs.append({i: res.token_ids for i, res in results.items()})
-            out.append(row)
-            log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
-                f"{row['mean_accepted']:.2f} accepted/step")
+        for group in jobs[k:] + jobs[:k]:
+            c = group[0][1]
+            batches = {name: engine(configs[name], c) for name, _ in group}
+            for batch in batches.values():  # its c admits' total: compiling is not timed
+                batch.prepare(dataclasses.replace(params, max_tokens=c * params.max_tokens))
+            timed = _lockstep(batches, [(i, prompts[i], params, []) for i in range(c)])
+            for name, (seconds, results) in timed.items():
+                out.append(_row(name, c, r, seconds, results, log, repeat))
+                outputs.append({i: res.token_ids for i, res in results.items()})
 
     def alone(i: int) -> list[int]:  # AR of prompt i with nothing beside it
         log(f"AR reference for prompt {i}")
@@ -65,6 +60,38 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
 
     _check_against_ar(lm, prompts, params, out, outputs, alone)
     return out
+
+
+def _lockstep(batches: dict[str, Engine], requests: list) -> dict[str, tuple[float, dict]]:
+    """Every engine runs all the requests (all admitted at once), the engines taking turns a step each, so a slow
+    spell of a shared host falls on all alike; each is timed by its own admissions and steps. -> name: (seconds,
+    key: GenerationResult)"""
+    seconds, results = dict.fromkeys(batches, 0.0), {name: {} for name in batches}
+    for name, batch in batches.items():
+        t0 = time.perf_counter()
+        for request in requests:
+            if not batch.admit(*request):
+                raise batch._too_big(f"request {request[0]!r}", *request[1:3])
+        seconds[name] += time.perf_counter() - t0
+    while any(batch.active for batch in batches.values()):
+        for name, batch in batches.items():
+            if batch.active:
+                t0 = time.perf_counter()
+                results[name].update(batch.step())
+                seconds[name] += time.perf_counter() - t0
+    return {name: (seconds[name], results[name]) for name in batches}
+
+
+def _row(name: str, c: int, r: int, seconds: float, results: dict, log: Callable[[str], None], repeat: int) -> dict:
+    """One timed run's row (name, concurrency, repeat, tokens, seconds, tokens_per_s, mean_accepted, widths)."""
+    tokens = sum(len(res.token_ids) for res in results.values())
+    row = {"name": name, "concurrency": c, "repeat": r, "tokens": tokens, "seconds": seconds,
+           "tokens_per_s": tokens / seconds,
+           "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
+           "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
+    log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
+        f"{row['mean_accepted']:.2f} accepted/step")
+    return row
 
 
 def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict],

@@ -42,7 +42,8 @@ from specrun.decoding.forward.paged_attention import PAGED_BACKENDS
 @click.option("--lockstep/--one-by-one", default=True, show_default=True,
               help="Run a repeat's specrun configurations a step each in turn, each timed by its own steps, so a slow "
               "spell of a shared host falls on all alike. It holds one KV cache per configuration at once: "
-              "--one-by-one (whole runs one after another) where memory is short. Not used with --concurrency.")
+              "--one-by-one (whole runs one after another) where memory is short. With --concurrency: a level's "
+              "runs so.")
 @click.option("--concurrency", "levels", help="Comma list of sequences in flight, e.g. 1,4,8: aggregate tok/s of "
               "specrun_ar and specrun_spec on one batched worker at each level (N different prompts), instead of the "
               "default table.")
@@ -94,7 +95,7 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
         from specrun.cli.bench_concurrency import bench_concurrency
 
         return bench_concurrency(text, levels, batch_attention, max_tokens, repeat, chat, model, dtype, device,
-                                 trust_remote_code, as_json, kw, only)
+                                 trust_remote_code, as_json, kw, only, lockstep)
     lens = int_list(lengths, "--lengths")
     n = max(lens) if lens else max_tokens
     params = sampling_params_from(kw, n)

@@ -32,7 +32,7 @@ def concurrency_configs(base, only: str | None) -> dict:
 
 
 def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dtype, device, trust_remote_code,
-                      as_json, kw, only: str | None = None) -> None:
+                      as_json, kw, only: str | None = None, lockstep: bool = True) -> None:
     from specrun.bench.concurrency import prompt_variants, run_concurrency, summarize_concurrency
     from specrun.cli.generate import encode_prompt, load_for_cli
     from specrun.decoding.forward.decoder import FusedDecoder
@@ -52,12 +52,13 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
     backend = resolve_backend(backend, lm.dtype, lm.device, FusedDecoder.of(lm.model).head_dim)
     try:
         rows = run_concurrency(lm, prompts, params, levels, configs, repeat, backend,
-                               log=lambda m: click.echo(m, err=True))
+                               log=lambda m: click.echo(m, err=True), lockstep=lockstep)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     table = summarize_concurrency(rows)
     report = {"model": lm.path, "dtype": dtype, "device": str(lm.device), "tokens_per_prompt": max_tokens,
-              "backend": backend, "mode": "greedy" if params.greedy else "sampled", "runs": rows, "table": table}
+              "backend": backend, "mode": "greedy" if params.greedy else "sampled", "lockstep": lockstep, "runs": rows,
+              "table": table}
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -220,6 +220,29 @@ def test_bench_concurrency_json(tiny_models):
     assert {t["name"] for t in report["table"] if t["vs_ar"] == 1.0} == {"specrun_ar"}
 
 
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "one by one"])
+def test_a_levels_runs_take_turns_a_step_each_in_lockstep_else_run_whole_one_after_another(load_fixture, monkeypatch,
+                                                                                         lockstep):
+    """--concurrency with --lockstep (the default): a level's engines step in turn, so a slow spell of the host falls
+    on every run alike; --one-by-one: each run whole, then the next. Either way each run's tokens are AR's."""
+    from specrun.bench.concurrency import run_concurrency
+    from specrun.decoding.engine import Engine, EngineConfig
+    from specrun.decoding.verify.sampling import SamplingParams
+
+    lm = load_fixture("llama_gqa", "float32")
+    order, real = [], Engine.step  # the timed steps (the AR references after them run one prompt a time)
+    monkeypatch.setattr(Engine, "step", lambda self, *a: (self.batch.concurrency == 2 and order.append(
+        bool(self.config.drafters))) or real(self, *a))
+    configs = {"specrun_ar": EngineConfig(drafters=()), "specrun_spec": EngineConfig(drafters=("ngram",))}
+    rows = run_concurrency(lm, [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_tokens=10, temperature=1.0), (2,),
+                           configs, lockstep=lockstep)
+    turns = sum(1 for a, b in zip(order, order[1:]) if a != b)
+    both = 2 * min(order.count(False), order.count(True))  # steps while both runs had sequences left
+    assert turns >= both - 1 if lockstep else turns == 1, order
+    assert [(r["name"], r["tokens"]) for r in rows] == [("specrun_ar", 20), ("specrun_spec", 20)]
+    assert all(r["identical_to_ar"] for r in rows), rows
+
+
 def test_concurrency_runs_are_chosen_by_name_and_each_spec_run_is_measured_against_its_own_ar():
     from specrun.bench.concurrency import summarize_concurrency
     from specrun.cli.bench_concurrency import concurrency_configs
