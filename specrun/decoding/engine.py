@@ -71,7 +71,8 @@ class Engine:
         self.drafting = Drafting(names)
         # the 4-bit forward of all drafts
         self.quant = self.compiles.draft(qd.quantized(self.runner.decoder) if "quant" in names else None)
-        # per (active sequences, greedy), kept across generations: cost follows rows; greedy text pays other widths
+        # per (active sequences, greedy, 4-bit chain), kept across generations: cost follows rows; greedy text pays
+        # other widths
         self._tuners: dict[tuple[int, bool], WidthTuner] = {}
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
@@ -213,12 +214,14 @@ class Engine:
             self.active.remove(a)
 
     def _tuner(self, n: int, greedy: bool) -> WidthTuner | None:
-        """The tuner of steps of n sequences, all greedy or not (a mix drafts as sampled text: the chain)."""
+        """The tuner of steps of n sequences, all greedy or not (a mix drafts as sampled text: the chain), the 4-bit
+        chain drafting or not (compiles.drafting: a chain tuner explores every wider width, which other drafts lose)."""
         if not self.names or not self.config.adaptive_budget:
             return None
-        if (n, greedy) not in self._tuners:
-            self._tuners[n, greedy] = width_tuner(self.config.trie_budget, self.quant is not None, greedy)
-        return self._tuners[n, greedy]
+        key = (n, greedy, self.compiles.drafting(self.quant) is not None)
+        if key not in self._tuners:
+            self._tuners[key] = width_tuner(self.config.trie_budget, key[2], greedy)
+        return self._tuners[key]
 
     def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, QuantDrafter, object] | None:
         """What the 4-bit forward needs of a sequence drafting with it this step (one-store K/V, drafter, context)."""

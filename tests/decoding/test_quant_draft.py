@@ -561,12 +561,15 @@ def test_a_batched_engine_tunes_greedy_steps_apart_from_sampled_ones(model_dir):
     """Steps whose sequences are all greedy have a tuner of their own, without the 4-bit chain's
     rules (the n-gram copy drafts greedy loops); a step with any sampled sequence drafts as sampled text."""
     lm = _model(model_dir, "torch", "float32")
-    engine = Engine(lm, EngineConfig(drafters=("quant", "ngram")),
+    engine = Engine(lm, EngineConfig(drafters=("quant", "ngram"), compile_draft="off"),
                     BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
     greedy, sampled = dataclasses.replace(GREEDY, max_tokens=8), dataclasses.replace(SAMPLED, max_tokens=24)
     assert engine.admit(0, PROMPT, greedy) and engine.admit(1, PROMPT[:5], sampled)
     engine.run([])
-    assert set(engine._tuners) == {(2, False), (1, False)}  # both, then the sampled one alone
+    assert set(engine._tuners) == {(2, False, True), (1, False, True)}  # both, then the sampled one alone
     engine.run([(2, PROMPT, greedy, [])])
-    assert set(engine._tuners) == {(2, False), (1, False), (1, True)}
-    assert engine._tuners[1, True].chain == 0 and engine._tuners[1, False].chain > 0
+    assert set(engine._tuners) == {(2, False, True), (1, False, True), (1, True, True)}
+    assert engine._tuners[1, True, True].chain == 0 and engine._tuners[1, False, True].chain > 0
+    auto = Engine(lm, EngineConfig(drafters=("quant", "ngram")), BatchConfig(concurrency=2, kv_tokens=512, page_size=256))
+    auto.run([(0, PROMPT, sampled, []), (1, PROMPT[:5], sampled, [])])  # the eager chain waits for its compile:
+    assert (2, False, False) in auto._tuners and all(not key[2] and t.chain == 0 for key, t in auto._tuners.items())
