@@ -73,7 +73,7 @@ class Engine:
         self.quant = self.compiles.draft(qd.quantized(self.runner.decoder) if "quant" in names else None)
         # per (active sequences, greedy, 4-bit chain), kept across generations: cost follows rows; greedy text pays
         # other widths
-        self._tuners: dict[tuple[int, bool], WidthTuner] = {}
+        self._tuners: dict[tuple[int, bool, bool], WidthTuner] = {}
         self._shadowing = config.adaptive_budget and shadowable(names)
         self.active: list[_Active] = []
         self.asked = 0  # new tokens its sequences asked for so far (compile_draft auto)
