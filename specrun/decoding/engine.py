@@ -141,9 +141,10 @@ class Engine:
         live = [a for a in self.active if a not in finished]
         if live:
             t_step = time.perf_counter()
-            tuner = self.tuner = self._tuner(len(live), all(a.st.params.greedy for a in live))
+            quant = self.compiles.drafting(self.quant)  # the 4-bit forward drafting this step, or None
+            tuner = self.tuner = self._tuner(len(live), all(a.st.params.greedy for a in live), quant is not None)
             budget = tuner.choose() if tuner else self.config.trie_budget  # schedule: the width of every trie
-            seconds = self._draft(live, budget)
+            seconds = self._draft(live, budget, quant)
             t = time.perf_counter()
             hidden, logits = self._verify(live)
             seconds["forward"] = time.perf_counter() - t
@@ -162,14 +163,13 @@ class Engine:
                     finished.append(a)
         return [self._retire(a) for a in finished]
 
-    def _draft(self, live: list[_Active], budget: int) -> dict[str, float]:
+    def _draft(self, live: list[_Active], budget: int, quant) -> dict[str, float]:
         """Every sequence's trie of `budget` nodes: the forward drafters run once for all (the self-draft's one forward,
         the 4-bit chains' one forward a depth), then each sequence's drafters propose and merge. -> seconds by phase"""
         t = time.perf_counter()
         drafting = [a for a in live if a.heads is not None] if budget > 1 else []
         if drafting:  # one self-draft forward for all: each root over its own partial cache
             draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
-        quant = self.compiles.drafting(self.quant)
         if quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
             qd.draft_batch(quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
         full = self.config.trie_budget
@@ -213,14 +213,14 @@ class Engine:
             a.kv.release()
             self.active.remove(a)
 
-    def _tuner(self, n: int, greedy: bool) -> WidthTuner | None:
+    def _tuner(self, n: int, greedy: bool, chain: bool) -> WidthTuner | None:
         """The tuner of steps of n sequences, all greedy or not (a mix drafts as sampled text: the chain), the 4-bit
         chain drafting or not (compiles.drafting: a chain tuner explores every wider width, which other drafts lose)."""
         if not self.names or not self.config.adaptive_budget:
             return None
-        key = (n, greedy, self.compiles.drafting(self.quant) is not None)
+        key = (n, greedy, chain)
         if key not in self._tuners:
-            self._tuners[key] = width_tuner(self.config.trie_budget, key[2], greedy)
+            self._tuners[key] = width_tuner(self.config.trie_budget, chain, greedy)
         return self._tuners[key]
 
     def _quant_entry(self, a: _Active, budget: int) -> tuple[KVView, QuantDrafter, object] | None:
