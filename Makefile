@@ -5,8 +5,10 @@ PYTHON ?= python
 install:
 	$(PYTHON) -m pip install -e ".[dev]"
 
+# Two processes (pytest-xdist): the modules that start Ray or other processes one after another in one of them, the
+# rest beside them (tests/conftest.py).
 test:
-	$(PYTHON) -m pytest -q --durations=15
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 demo:
 	specrun generate --model smollm2 --prompt "Once upon a time" --max-tokens 200

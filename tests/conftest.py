@@ -1,11 +1,13 @@
 """Shared fixtures: tiny offline models (built once per session into a tmp dir) and a private SPECRUN_CACHE.
 
 Fixtures: tiny_models (name -> model dir), load_fixture(name, dtype="float64") -> LoadedModel (fresh load), specrun_cache,
-local_ray (one local Ray per test module).
+local_ray (one local Ray per test module). Under pytest-xdist (`make test`: two processes) the modules that start Ray or
+other processes run in one of them, one after another (see pytest_collection_modifyitems).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,21 @@ def local_ray():
     init_ray(None, num_cpus=2)
     yield
     ray.shutdown()
+
+
+# A module that starts Ray, a specrun process or any subprocess: such modules never overlap (two local Rays, or a
+# `ray start` cluster that another module's ray.init would join, on one machine), whatever else runs beside them.
+_STARTS_PROCESSES = re.compile(r"\bray\b|run_job|subprocess|Popen|specrun\.cli|\"(submit|resume)\"")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's --dist loadgroup every test of a module that starts processes goes to the group "processes"
+    (one worker, one test after another); the rest spread over the workers (they run in one thread mostly: the
+    machine's other core was idle beside them)."""
+    starts: dict[str, bool] = {}
+    for item in items:
+        path = str(item.path)
+        if path not in starts:
+            starts[path] = bool(_STARTS_PROCESSES.search(Path(path).read_text()))
+        if starts[path]:
+            item.add_marker(pytest.mark.xdist_group("processes"))

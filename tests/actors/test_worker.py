@@ -167,7 +167,7 @@ def test_a_worker_compiles_its_draft_when_warmed_not_during_its_prompts(tmp_path
     monkeypatch.setattr(engine_config, "COMPILE_DRAFT_TOKENS", 100)
     built, real = [], quant_draft.ring_forward
     monkeypatch.setattr(quant_draft, "ring_forward", lambda f, batched=False: built.append(batched) or real(f, batched))
-    model = str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=3, seed=5,
+    model = str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=2, seed=5,
                                  initializer_range=0.3))  # products in groups of 32: the 4-bit draft takes it
     ar = Engine(load_model(model), EngineConfig(drafters=())).generate([1, 2, 3], PARAMS).token_ids
     spec = _spec(model, tmp_path / "job", engine={"drafters": ["quant"], "trie_budget": 4, "adaptive_budget": False},
@@ -201,7 +201,7 @@ def test_a_worker_reports_a_draft_compile_that_failed(tmp_path, monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(RingForward, "warm", fails)
-    model = str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=3, seed=5,
+    model = str(build_tiny_model(tmp_path / "llama", hidden=128, heads=4, kv_heads=2, layers=2, seed=5,
                                  initializer_range=0.3))
     w = GenerationWorker(_spec(model, tmp_path / "job", engine={"drafters": ["quant"]}, tokens_ahead=100), slot=0)
     assert w.info()["compiles"] is True and w.info()["compile_failed"] is None

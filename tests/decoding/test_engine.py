@@ -70,8 +70,7 @@ def test_greedy_equals_hf_when_drafts_mostly_miss(chaotic_model):
         assert res.stats["mean_accepted"] < 1.6 and drafted(res) > 0, res.stats
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("name,temperature", [("llama_gqa", 0.7), ("qwen3", 1.0)])  # each model, each temperature
 def test_sampled_with_drafting_equals_sampled_without(tiny_models, name, temperature):
     lm = load(tiny_models, name)
     prompt = lm.tokenizer.encode(REPETITIVE)

@@ -20,7 +20,7 @@ from tests.decoding.test_quant_draft import PROMPT, SAMPLED, _model, _on_grid, m
 @pytest.fixture(scope="module")
 def smooth_dir(tmp_path_factory):
     """test_quant_draft's tiny model with weights of a trained model's size: a flipped bf16 rounding stays small."""
-    return build_tiny_model(tmp_path_factory.mktemp("ring") / "llama", hidden=128, heads=4, kv_heads=2, layers=3,
+    return build_tiny_model(tmp_path_factory.mktemp("ring") / "llama", hidden=128, heads=4, kv_heads=2, layers=2,
                             seed=5, initializer_range=0.05)
 
 
