@@ -36,7 +36,7 @@ PROMPT = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     # head size 32 (the kernels' attention), hidden 128: every product's inputs come in groups of 32
-    return build_tiny_model(tmp_path_factory.mktemp("quant") / "llama", hidden=128, heads=4, kv_heads=2, layers=2,
+    return build_tiny_model(tmp_path_factory.mktemp("quant") / "llama", hidden=128, heads=4, kv_heads=2, layers=3,
                             seed=5, initializer_range=0.3)
 
 

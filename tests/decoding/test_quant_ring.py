@@ -14,7 +14,15 @@ from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
-from tests.decoding.test_quant_draft import PROMPT, SAMPLED, _model, _on_grid, model_dir  # noqa: F401 (a fixture)
+from tests.decoding.test_quant_draft import PROMPT, SAMPLED, _model, _on_grid
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """test_quant_draft's tiny model at 2 layers: each compile of this module's graphs costs less (a layer's products,
+    rendered and built each time), and layers still follow layers."""
+    return build_tiny_model(tmp_path_factory.mktemp("quant") / "llama", hidden=128, heads=4, kv_heads=2, layers=2,
+                            seed=5, initializer_range=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +149,7 @@ def fresh_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def compiled_lm(model_dir, own_cache):  # noqa: F811
+def compiled_lm(model_dir, own_cache):
     """One model for the engine tests below: its layers and draft graph compile once, each test adding what it needs."""
     return _model(model_dir, "torch", "float32")
 
@@ -254,7 +262,7 @@ def test_the_full_ring_stays_within_one_compiled_graph():
     assert quant_torch.SINKS + quant_torch.WINDOW + quant_ring.RESERVE <= 4096
 
 
-def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_for_enough_tokens(model_dir,  # noqa: F811
+def test_compile_draft_auto_compiles_the_draft_once_an_engines_generations_ask_for_enough_tokens(model_dir,
                                                                                                    monkeypatch,
                                                                                                    fresh_cache):
     """compile_draft auto (the default), nothing cached: an engine drafts through torch's eager draft until its
@@ -312,7 +320,7 @@ def _spy_compiles(monkeypatch) -> list[bool]:
     return seen
 
 
-def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(model_dir,  # noqa: F811
+def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_tokens(model_dir,
                                                                                      monkeypatch, fresh_cache):
     """An engine of several sequences: compile_draft auto, its several-sequences package not cached: its eager draft
     until the sequences it admitted ask for COMPILE_DRAFT_TOKENS new tokens in all, then the compiled graph for every
@@ -341,7 +349,7 @@ def test_a_batched_engine_compiles_the_draft_once_its_sequences_ask_for_enough_t
     assert ring.calls >= 2 * 3 * (SAMPLED.max_tokens // 4) // 2  # both sequences drafted through it
 
 
-def test_a_batched_engine_drafts_with_its_eager_draft_only_under_compile_draft_off(model_dir, tmp_path,  # noqa: F811
+def test_a_batched_engine_drafts_with_its_eager_draft_only_under_compile_draft_off(model_dir, tmp_path,
                                                                                   monkeypatch):
     """Several sequences a step, nothing cached and too few tokens asked for a compile: under compile_draft auto the
     quantized self-draft drafts nothing until its compiled graph is there (eager, its forward for every sequence cost
