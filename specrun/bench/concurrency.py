@@ -37,20 +37,22 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
     def engine(config: EngineConfig, c: int) -> Engine:
         return Engine(lm, config, BatchConfig(concurrency=c, kv_tokens=c * need, page_size=page, backend=backend))
 
-    jobs = [[(name, c) for name in configs] for c in levels] if lockstep else [[(name, c)] for c in levels
-                                                                                for name in configs]
+    # (level, the configs run together): all of a level's in lockstep, else one each
+    groups = [(c, list(configs)) for c in levels] if lockstep else [(c, [name]) for c in levels for name in configs]
     outputs: list[dict[int, list[int]]] = []  # per row: each prompt's tokens
     out = []
     for r in range(repeat):
-        k = r % len(jobs)
-        for group in jobs[k:] + jobs[:k]:
-            c = group[0][1]
-            batches = {name: engine(configs[name], c) for name, _ in group}
+        k = r % len(groups)
+        for c, names in groups[k:] + groups[:k]:
+            batches = {name: engine(configs[name], c) for name in names}
             for batch in batches.values():  # its c admits' total: compiling is not timed
                 batch.prepare(dataclasses.replace(params, max_tokens=c * params.max_tokens))
             timed = _lockstep(batches, [(i, prompts[i], params, []) for i in range(c)])
             for name, (seconds, results) in timed.items():
-                out.append(_row(name, c, r, seconds, results, log, repeat))
+                row = _row(name, c, r, seconds, results)
+                log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {row['tokens']} tokens, "
+                    f"{row['tokens_per_s']:.1f} tok/s, {row['mean_accepted']:.2f} accepted/step")
+                out.append(row)
                 outputs.append({i: res.token_ids for i, res in results.items()})
 
     def alone(i: int) -> list[int]:  # AR of prompt i with nothing beside it
@@ -71,7 +73,7 @@ def _lockstep(batches: dict[str, Engine], requests: list) -> dict[str, tuple[flo
         t0 = time.perf_counter()
         for request in requests:
             if not batch.admit(*request):
-                raise batch._too_big(f"request {request[0]!r}", *request[1:3])
+                raise batch.too_big(f"request {request[0]!r}", *request[1:3])
         seconds[name] += time.perf_counter() - t0
     while any(batch.active for batch in batches.values()):
         for name, batch in batches.items():
@@ -82,16 +84,13 @@ def _lockstep(batches: dict[str, Engine], requests: list) -> dict[str, tuple[flo
     return {name: (seconds[name], results[name]) for name in batches}
 
 
-def _row(name: str, c: int, r: int, seconds: float, results: dict, log: Callable[[str], None], repeat: int) -> dict:
+def _row(name: str, c: int, r: int, seconds: float, results: dict) -> dict:
     """One timed run's row (name, concurrency, repeat, tokens, seconds, tokens_per_s, mean_accepted, widths)."""
     tokens = sum(len(res.token_ids) for res in results.values())
-    row = {"name": name, "concurrency": c, "repeat": r, "tokens": tokens, "seconds": seconds,
-           "tokens_per_s": tokens / seconds,
-           "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
-           "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
-    log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {tokens} tokens, {row['tokens_per_s']:.1f} tok/s, "
-        f"{row['mean_accepted']:.2f} accepted/step")
-    return row
+    return {"name": name, "concurrency": c, "repeat": r, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
+            "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
 
 
 def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict],

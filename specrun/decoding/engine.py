@@ -248,7 +248,7 @@ class Engine:
                 while pending and self.admit(*pending[0]):
                     pending.pop(0)
                 if pending and not self.active:
-                    raise self._too_big(f"request {pending[0][0]!r}", *pending[0][1:3])
+                    raise self.too_big(f"request {pending[0][0]!r}", *pending[0][1:3])
                 results.update(self.step(on_step))
         except BaseException:
             for key in keys:
@@ -276,7 +276,7 @@ class Engine:
             raise RuntimeError("steps() runs one sequence on an engine with none in flight")
         key, self.drafters = object(), None  # the last one's drafters go (a draft forward keeps state per drafter)
         if not self.admit(key, prompt_ids, params, resume_from):
-            raise self._too_big("the prompt", prompt_ids, params)
+            raise self.too_big("the prompt", prompt_ids, params)
         self.stats, self.drafters = self.active[-1].stats, self.active[-1].drafters
         emitted: list[int] = []
         try:
@@ -293,6 +293,7 @@ class Engine:
         finally:  # a step or the caller failed, or the caller dropped the generator: the engine is free again
             self.drop(key)
 
-    def _too_big(self, who: str, prompt: list[int], params: SamplingParams) -> ValueError:
+    def too_big(self, who: str, prompt: list[int], params: SamplingParams) -> ValueError:
+        """The error for a request (`who`) whose prompt and new tokens the KV pool cannot hold even alone."""
         return ValueError(f"{who} needs more KV slots ({len(prompt)} + {params.max_tokens} tokens) than the pool holds "
                           f"({self.batch.kv_tokens}): raise kv_tokens")
