@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from specrun.decoding.drafters import quant_ring, quant_torch
+from specrun.decoding.drafters import quant_ring, quant_torch, ring_graph
 from specrun.decoding.drafters.quant_ring import RingForward
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.engine import Engine, EngineConfig
@@ -40,7 +40,7 @@ def _near(logits: torch.Tensor, ids: torch.Tensor, want: torch.Tensor, where) ->
     """A compiled draft's candidates (logits [C] at token ids [C], ascending) against the torch draft's logits [V]: its
     8 best tokens among them, and their logits the same within 2% of the largest (the same arithmetic but for the order
     of float32 sums and, compiled, where bf16 intermediates are rounded)."""
-    assert ids.shape == (quant_ring.CANDIDATES,) and torch.equal(ids, ids.sort().values), where
+    assert ids.shape == (ring_graph.CANDIDATES,) and torch.equal(ids, ids.sort().values), where
     assert set(want.topk(8).indices.tolist()) <= set(ids.tolist()), where
     kept = logits > float("-inf")
     assert torch.equal(kept, want[ids] > float("-inf")), where
@@ -104,11 +104,14 @@ def test_an_engines_compiled_draft_runs_8_bit_layers_on_an_avx2_cpu(smooth_dir, 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
     fwd = TorchForward.of(FusedDecoder.of(_on_grid(load_model(str(smooth_dir), dtype="float32")).model))
     assert fwd.bits == 4
+    copies = []
+    monkeypatch.setattr(quant_ring, "TorchForward", lambda *a: copies.append(a) or TorchForward(*a))
     ring = quant_ring.ring_of(fwd)
-    assert ring.fwd.bits == bits and (ring.fwd is fwd) == (bits == 4)
+    assert not ring.cached(batched=True) and not copies  # naming its packages makes no copy of the model
+    assert ring.bits == bits and ring.fwd is fwd
     assert all(isinstance(L.down, quant_torch.Int8Linear if bits == 8 else quant_torch.Int4Linear)
                for L in ring.graph.layers)
-    assert ring.graph.options.get("max_autotune", False) == (bits == 8)
+    assert len(copies) == (bits == 8) and ring.graph.options.get("max_autotune", False) == (bits == 8)
 
 
 def test_the_graph_chooses_the_candidates_the_eager_rule_keeps(smooth_dir):
@@ -117,7 +120,7 @@ def test_the_graph_chooses_the_candidates_the_eager_rule_keeps(smooth_dir):
     head rows scoring them (within bf16 rounding); a row keeping more than CANDIDATES keeps its CANDIDATES best."""
     lm = _on_grid(load_model(str(smooth_dir), dtype="float32"))
     fwd = TorchForward.of(FusedDecoder.of(lm.model))
-    graph = quant_ring._Graph(fwd)
+    graph = ring_graph.Graph(fwd)
     gen = torch.Generator().manual_seed(4)
     B, (V, H) = 4, fwd.rows.shape
     h = (torch.randn((B, H), generator=gen) * 3).bfloat16()
@@ -134,11 +137,11 @@ def test_the_graph_chooses_the_candidates_the_eager_rule_keeps(smooth_dir):
     assert torch.equal(ids, ids.sort(dim=-1).values)
     for b in range(3):
         kept = (want[b] > float("-inf")).nonzero()[:, 0]
-        assert 1 < len(kept) < quant_ring.CANDIDATES, b  # a margin that keeps some, not all
+        assert 1 < len(kept) < ring_graph.CANDIDATES, b  # a margin that keeps some, not all
         assert torch.equal(ids[b][logits[b] > float("-inf")], kept), b
         assert torch.allclose(logits[b][logits[b] > float("-inf")], want[b, kept], rtol=2 ** -7, atol=1e-3), b
     c = torch.where(counts[3] > 0, torch.where(coarse[3] > 0, coarse[3] / 1.5, coarse[3] * 1.5), coarse[3])
-    assert torch.equal(ids[3], c.topk(quant_ring.CANDIDATES).indices.sort().values) and (logits[3] > -1e30).all()
+    assert torch.equal(ids[3], c.topk(ring_graph.CANDIDATES).indices.sort().values) and (logits[3] > -1e30).all()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The quantized self-draft's forward compiled ahead of time by inductor: one graph a drafted token, over a bf16 ring
 of the draft's keys and values (the first SINKS positions and the last WINDOW, as quant_torch's draft reads).
 
-RingForward(torch_forward) drafts as TorchForward (start, begin; candidates, each row's best CANDIDATES, for logits)
+RingForward(torch_forward) drafts as TorchForward (start, begin; candidates, each row's best few, for logits)
 for one sequence or a batch, a ring each; warm() loads its packages (ring_package.py), building them where they are
 not cached. A ring is synced from its sequence's cache at each begin (the committed slots it has not copied yet); the
 draft's own K/V go in the ring only, never in the target's cache. Its tokens are proposals: the verify decides (I1).
@@ -16,74 +16,15 @@ import torch
 
 from specrun.decoding.drafters import quant_torch, ring_package
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward
+from specrun.decoding.drafters.ring_graph import Graph, options
 from specrun.decoding.forward import aot_package
-from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
 # committed position the next draft's window still reads
-# inductor: a value read twice (the rotated query) stored, not recomputed inside the loop over keys (inlined, the
-# query's RoPE ran once per key and head)
-OPTIONS = {"realize_reads_threshold": 1}
-# 8-bit layers (quant_torch.compiled_bits): inductor's C++ GEMM template for int8 weights, the weights frozen into it
-INT8 = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-CANDIDATES = 64  # a drafted token's candidates: the best of the penalised 4-bit logits, rescored by the model's own
-# head rows in the graph (the eager draft keeps every token within its margin: ~40 a row on smollm2, sampled)
 _ROWS = {False: (1,), True: (1, 0)}  # the packages warm(batched) needs: one sequence a call, and several (rows 0)
 SPAN_STEP = 128  # ring slots past the sinks come in steps of this many: a new sequence's ring holds one step, and it
 # grows a step at a time (synced anew) as its text outgrows it, up to WINDOW + RESERVE. Every slot is attended (masked
 # where empty), so a ring no longer than its text is a draft that reads only what it needs
-
-
-class _Graph(torch.nn.Module):
-    """One drafted token a sequence through the low-bit layers; attention over each one's ring (masked) and the
-    token's own key."""
-
-    def __init__(self, fwd: TorchForward):
-        super().__init__()
-        dec = fwd.dec
-        self.nq, self.nkv, self.D, self.inter = dec.n_q, dec.n_kv, dec.head_dim, dec.inter
-        self.layers = torch.nn.ModuleList(fwd.layers)  # quant_torch's modules: the same tensors, no copy
-        self.norm, self.head = fwd.norm, fwd.head
-        self.candidates = min(CANDIDATES, fwd.rows.shape[0])
-        self.bits, self.options = fwd.bits, OPTIONS if fwd.bits == 4 else {**OPTIONS, **INT8}
-
-    def forward(self, x, cos, sin, K, V, mask, counts, theta, below, rows):
-        """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf),
-        counts: [B, V] int32, theta/below: [B, 1] float32, rows: [V, H] (the model's head, in its dtype)
-        -> logits: [B, C] float32 (-inf: not a candidate), ids: [B, C] long ascending, k, v: [B, Lyr, Hkv, D] bf16
-        (these tokens')"""
-        nq, nkv, D = self.nq, self.nkv, self.D
-        B = x.shape[0]
-        ks, vs = [], []
-        for j, L in enumerate(self.layers):
-            qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
-            q = qk[:, :nq].float().view(B, nkv, nq // nkv, D)  # query head h = kv_head * G + g
-            k = qk[:, nq:]  # [B, Hkv, D]
-            s = (q[:, :, :, None, :] * K[:, j, :, None].float()).sum(-1) * L.scaling  # [B, Hkv, G, R]
-            s = s + mask[:, None, None]
-            own = (q * k.float()[:, :, None]).sum(-1, keepdim=True) * L.scaling  # [B, Hkv, G, 1]
-            top = torch.maximum(s.amax(-1, keepdim=True), own)
-            p, p_own = torch.exp(s - top), torch.exp(own - top)
-            o = ((p[..., None] * V[:, j, :, None].float()).sum(-2) + p_own * v.float()[:, :, None]) \
-                / (p.sum(-1, keepdim=True) + p_own)  # [B, Hkv, G, D]
-            x = x + L.o(o.reshape(B, nq * D).to(BF16))
-            x = mlp_residual(L, x, self.inter)
-            ks.append(k)
-            vs.append(v)
-        h = self.norm(x)
-        logits, ids = self.rescore(h, self.head(h).float(), counts, theta, below, rows)
-        return logits, ids, torch.stack(ks, 1), torch.stack(vs, 1)
-
-    def rescore(self, h, coarse, counts, theta, below, rows):
-        """quant_torch.rescore's rule on each row's best `candidates`: those whose penalised coarse logit is within
-        `below` of the row's best get h . rows[v], by token id. # h: [B, H], coarse/counts: [B, V], theta/below: [B, 1],
-        rows: [V, H] -> logits [B, C] float32 (-inf: not kept), ids [B, C] long ascending"""
-        c = torch.where(counts > 0, torch.where(coarse > 0, coarse / theta, coarse * theta), coarse)
-        best, ids = c.topk(self.candidates, dim=-1)  # [B, C] descending
-        keep = best >= best[:, :1] - below
-        ids, order = ids.sort(dim=-1)  # the token order: ties pick as over the whole vocabulary
-        exact = (rows[ids].float() * h.float()[:, None]).sum(-1).to(rows.dtype).float()  # [B, C], as the eager head
-        return exact.masked_fill(~keep.gather(1, order), float("-inf")), ids
 
 
 class RingForward:
@@ -92,12 +33,14 @@ class RingForward:
     target's cache. A ring belongs to an owner (a sequence's drafter; by default the cache passed in);
     the ring of an owner that is gone is freed and the others moved down, so the drafting rings are one slice."""
 
-    def __init__(self, fwd: TorchForward):
+    def __init__(self, fwd: TorchForward, bits: int | None = None):
         dec = fwd.dec
-        self.fwd, self.dec = fwd, dec
+        self.fwd, self.dec = fwd, dec  # fwd: the eager draft (its rotary and head rows serve the graph in any bits)
+        self.bits = bits or fwd.bits  # the graph's layers' (quant_torch.compiled_bits)
+        self.options = options(self.bits)
         self.sinks, self.window = quant_torch.SINKS, quant_torch.WINDOW
         self.full = self.window + RESERVE  # ring positions past the sinks once the text fills the window
-        self.graph = _Graph(fwd).eval()
+        self._graph: Graph | None = None
         self.fn = self.fn_rows = None  # the graph for one sequence a call, and for several
         self.calls = 0  # tokens drafted through the graph (tests check the engines take this path)
         self.compile_seconds: float | None = None  # loading (or building) the packages
@@ -141,9 +84,17 @@ class RingForward:
     def _fn(self, rows: int):
         return self.fn if rows == 1 else self.fn_rows
 
+    @property
+    def graph(self) -> Graph:
+        """The graph a package is built from: its layers in self.bits, a copy of the model's where fwd's differ (made
+        only to build, never to name or load a package)."""
+        if self._graph is None:
+            self._graph = Graph(self.fwd if self.bits == self.fwd.bits else TorchForward(self.dec, self.bits)).eval()
+        return self._graph
+
     def _path(self, rows: int):
         if rows not in self._paths:  # the name hashes the weights: once a forward
-            self._paths[rows] = ring_package.path(self.graph, rows, self.sinks + self.full)
+            self._paths[rows] = ring_package.path(self.fwd, self.bits, self.options, rows, self.sinks + self.full)
         return self._paths[rows]
 
     def _package(self, rows: int):
@@ -153,6 +104,8 @@ class RingForward:
             example = self._example(1 if rows == 1 else 2)
             fn = ring_package.build(self.graph, example, rows, self.sinks + self.full, where)
             self.built += 1
+            if self.bits != self.fwd.bits:  # the package holds its own copy of the layers: drop ours
+                self._graph = None
         return fn
 
     def _example(self, B: int) -> tuple:
@@ -250,7 +203,7 @@ class RingForward:
     @torch.inference_mode()
     def candidates(self, i: int, tokens: list[int], counts: list, thetas: list[float], belows: list[float]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's draft candidates after its i-th token (quant_torch.rescore's rule, on the best CANDIDATES).
+        """Each sequence's draft candidates after its i-th token (quant_torch.rescore's rule on ring_graph.CANDIDATES).
 
         # counts[b]: [V] int32 or None -> logits [B, C] float32 (-inf: not a candidate), ids [B, C] long ascending
         """
@@ -288,8 +241,7 @@ class RingForward:
 def ring_of(fwd: TorchForward) -> RingForward:
     """The compiled draft of a TorchForward (in quant_torch.compiled_bits), built once per forward; not warmed."""
     if not hasattr(fwd, "_specrun_ring"):
-        bits = quant_torch.compiled_bits(fwd)
-        fwd._specrun_ring = RingForward(fwd if bits == fwd.bits else TorchForward(fwd.dec, bits))
+        fwd._specrun_ring = RingForward(fwd, quant_torch.compiled_bits(fwd))
     return fwd._specrun_ring
 
 

@@ -1,10 +1,11 @@
-"""The compiled draft's graph (quant_ring._Graph) as an AOTInductor package in the specrun cache (aot_package.py):
+"""The compiled draft's graph (ring_graph.Graph) as an AOTInductor package in the specrun cache (aot_package.py):
 built once per machine and model (1-3 minutes for smollm2: 3 where its layers are 8-bit, autotuned), then loaded by
 any later process in about a second.
 
-path(graph, rows) names the package of a graph for one sequence a call (rows 1) or several (rows 0); build() exports
-and compiles it. A package is a proposal-maker only (I1): a wrong one would cost speed, never output; its name covers
-the weights, the code that traces it, torch, the CPU and its threads.
+path(fwd, bits, options, rows) names the package of a draft's graph for one sequence a call (rows 1) or several (rows
+0) without making its low-bit copy; build() exports and compiles it. A package is a proposal-maker only (I1): a wrong
+one would cost speed, never output; its name covers the weights, the code that traces it, torch, the CPU and its
+threads.
 """
 
 from __future__ import annotations
@@ -20,21 +21,42 @@ from specrun.models.cache import cache_root
 MAX_ROWS = 1024  # sequences in one call of the several-rows package (an engine's concurrency; more: split)
 PREFIX = "draft"
 # the modules whose code the graph runs: a change to any of them names a new package
-SOURCES = ("quant_ring.py", "quant_torch.py", "../forward/decoder.py", "../forward/quant.py", "ring_package.py",
-           "../forward/aot_package.py")
+SOURCES = ("quant_ring.py", "ring_graph.py", "quant_torch.py", "../forward/decoder.py", "../forward/quant.py",
+           "ring_package.py", "../forward/aot_package.py")
 
 
-def package_name(graph: torch.nn.Module, rows: int, max_keys: int) -> str:
-    """A name for graph's package (aot_package.name): its weights, shapes and constants, the traced code."""
+class _Source(torch.nn.Module):
+    """The model weights a draft package's low-bit copy is made from, as buffers (no copies): what its name hashes,
+    so a cache check needs no copy of the model in the package's bits."""
+
+    def __init__(self, dec):
+        super().__init__()
+        for i, L in enumerate(dec.layers):
+            for part in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(L, part)
+                self.register_buffer(f"l{i}_{part}", lin.weight)
+                self.register_buffer(f"l{i}_{part}_bias", lin.bias)
+            for part in ("ln1", "ln2", "q_norm", "k_norm"):
+                norm = getattr(L, part)
+                self.register_buffer(f"l{i}_{part}", None if norm is None else norm.weight)
+        self.register_buffer("norm", dec.norm.weight)
+        self.register_buffer("head", dec.lm_head.weight)
+
+
+def package_name(fwd, bits: int, options: dict, rows: int, max_keys: int) -> str:
+    """A name for the package of fwd's graph in `bits` (aot_package.name): the model's weights, the bits, shapes and
+    constants, the inductor options, the traced code."""
+    dec = fwd.dec
     layers = [(L.scaling, aot_package.act_id(L.act), L.ln1.eps, L.ln2.eps,
-               *(n if n is None else n.eps for n in (L.q_norm, L.k_norm))) for L in graph.layers]
-    return aot_package.name(PREFIX, "1" if rows == 1 else "n", Path(__file__).parent, SOURCES, graph, rows, max_keys,
-                            graph.nq, graph.nkv, graph.D, graph.inter, layers, graph.norm.eps, graph.options)
+               *(n if n is None else n.eps for n in (L.q_norm, L.k_norm))) for L in fwd.layers]
+    return aot_package.name(PREFIX, "1" if rows == 1 else "n", Path(__file__).parent, SOURCES, _Source(dec), rows,
+                            max_keys, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers, fwd.norm.eps, options)
 
 
-def path(graph: torch.nn.Module, rows: int, max_keys: int) -> Path:
-    """Where graph's package for `rows` sequences a call (1, or 0: any number up to MAX_ROWS) lives."""
-    return cache_root() / "drafts" / package_name(graph, rows, max_keys)
+def path(fwd, bits: int, options: dict, rows: int, max_keys: int) -> Path:
+    """Where the package of fwd's graph in `bits` for `rows` sequences a call (1, or 0: any number up to MAX_ROWS)
+    lives."""
+    return cache_root() / "drafts" / package_name(fwd, bits, options, rows, max_keys)
 
 
 def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, where: Path):
