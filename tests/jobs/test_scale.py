@@ -1,5 +1,5 @@
 """Scale (issue 11, item 6), small enough for the suite: the driver's bookkeeping never scans the prompts per event;
-a 400-prompt job compacts its outputs while it runs (merges and merges of merges) with readers streaming them at
+a 200-prompt job compacts its outputs while it runs (merges and merges of merges) with readers streaming them at
 the same time (never a row twice, never one missed), and ends with one Parquet file in input order, no progress
 chunks, no markers, no live files; workers write their recycling matrix at a bounded cadence, not at every
 checkpoint. The 10,000-prompt run is tests/faults/scale.py (run by hand).
@@ -92,10 +92,10 @@ def model(tiny_models):
     return tiny_models["llama_mha"]
 
 
-def test_a_400_prompt_job_compacts_while_readers_stream_and_ends_as_one_file(tmp_path, model, monkeypatch):
-    monkeypatch.setattr(outputs, "PARTS_PER_MERGE", 40)  # background merges every 40 prompts ...
+def test_a_200_prompt_job_compacts_while_readers_stream_and_ends_as_one_file(tmp_path, model, monkeypatch):
+    monkeypatch.setattr(outputs, "PARTS_PER_MERGE", 20)  # background merges every 20 prompts ...
     monkeypatch.setattr(outputs, "FANOUT", 3)  # ... and merges of merges
-    n = 400
+    n = 200
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i:04d}", "prompt": f"prompt {i}"}) + "\n" for i in range(n)))
     job, _ = prepare_job(prompts, tmp_path / "job", model_info(model), JobSettings(checkpoint_every=2),
@@ -130,10 +130,10 @@ def test_a_400_prompt_job_compacts_while_readers_stream_and_ends_as_one_file(tmp
     print(f"{n} prompts in {time.monotonic() - t0:.1f}s; {reads[0]} concurrent reads; at most {most_files[0]} files")
     assert not errors, errors[0]
     assert summary.exit_code == 0 and len(summary.done) == n and reads[0] >= 2
-    # parts, their markers and the finished prompts' timelines never pile up past a merge (40 each at most between
+    # parts, their markers and the finished prompts' timelines never pile up past a merge (20 each at most between
     # merges, and at most timeline.MAX_MERGED merged timeline files), plus each prompt in flight's chunks, live status
     # and timeline (--concurrency auto runs up to AUTO_MAX at once): a bound that does not grow with the prompts
-    assert most_files[0] < 3 * 40 + 30 + 5 * AUTO_MAX["cpu"]
+    assert most_files[0] < 3 * 20 + 30 + 5 * AUTO_MAX["cpu"]
     left = sorted(str(f.relative_to(job.root)) for f in job.root.rglob("*") if f.is_file())
     assert sorted({f.split("/")[0] for f in left}) == ["attempts", "job.json", "outputs", "prompts.parquet", "state",
                                                       "timeline"], left
