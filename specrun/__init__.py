@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # name -> module that defines it (torch, transformers and Ray load only when one is used)
     "LLM": "specrun.llm", "Output": "specrun.llm", "Delta": "specrun.llm", "Stream": "specrun.llm",
-    "SamplingParams": "specrun.decoding.verify.sampling", "EngineConfig": "specrun.decoding.engine",
+    "SamplingParams": "specrun.decoding.verify.params", "EngineConfig": "specrun.decoding.engine",
     "submit": "specrun.job", "resume": "specrun.job", "Job": "specrun.job", "RunOptions": "specrun.jobs.runopts",
     "JobError": "specrun.jobs.jobdir", "Columns": "specrun.jobs.parquet_in",
 }

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError, describe_os_error
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.parquet_in import Columns

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.errors import ConfigError, ModelError, PromptError
 
 DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; its text is noise, not language."

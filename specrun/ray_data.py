@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from specrun.actors.pool import worker_env
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.errors import ConfigError
 from specrun.jobs.parquet_in import Columns, row_object
 

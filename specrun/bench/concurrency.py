@@ -14,7 +14,7 @@ from specrun.bench.neartie import check_divergence
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import resolve_backend
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 REFERENCE = "specrun_ar"  # the run kind whose lowest-concurrency tokens every other run is checked against
 

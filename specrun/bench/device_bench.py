@@ -20,7 +20,7 @@ from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.paged_runner import kv_bytes_per_token
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.forward.static_step import StaticStep, bucket_of
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.models.loader import LoadedModel
 
 _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,

@@ -8,7 +8,7 @@ import time
 import torch
 
 from specrun.bench.clock import LengthClock, sync
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 
 def hf_notes(params: SamplingParams, prompt_len: int) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 NOTE = ("llama_cpp: llama.cpp on a GGUF file (its own weights and quantization, its own sampler chain): a speed "
         "reference, its tokens are not compared")

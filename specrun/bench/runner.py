@@ -17,7 +17,7 @@ from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.decoding.config import resolve_drafting
 from specrun.decoding.drafters.quant_draft import compilable
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 

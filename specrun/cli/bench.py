@@ -22,7 +22,7 @@ from specrun.cli.options import (
     sampling_options,
     sampling_params_from,
 )
-from specrun.decoding.forward.paged_attention import PAGED_BACKENDS
+from specrun.decoding.choices import PAGED_BACKENDS
 
 
 @click.command()

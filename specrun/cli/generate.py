@@ -9,6 +9,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,12 +21,14 @@ from specrun.cli.options import (
     sampling_options,
     sampling_params_from,
 )
-from specrun.llm import DEMO_NOTICE, LLM
+
+if TYPE_CHECKING:  # torch's modules load when a command runs, not for --help
+    from specrun.llm import LLM
 
 
 def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool, rope_scaling: str | None = None):
     """LoadedModel (ModelError names a bad value); the demo model's notice on stderr."""
-    from specrun.llm import load_lm
+    from specrun.llm import DEMO_NOTICE, load_lm
 
     lm = load_lm(model, dtype, device, trust_remote_code, rope_scaling)
     if lm.is_demo:
@@ -35,6 +38,8 @@ def load_for_cli(model: str, dtype: str, device: str, trust_remote_code: bool, r
 
 def open_llm(model: str, dtype: str, device: str, trust_remote_code: bool, config, rope_scaling=None) -> LLM:
     """specrun.LLM with its demo warning said as the CLI says it (one line on stderr)."""
+    from specrun.llm import DEMO_NOTICE, LLM
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = LLM(model, dtype=dtype, device=device, drafting=config, trust_remote_code=trust_remote_code, chat=False,

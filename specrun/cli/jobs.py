@@ -126,9 +126,9 @@ def submit(prompts, max_tokens, job_dir, checkpoint_every, checkpoint_seconds, m
       specrun submit train.parquet --prompt-column text --max-tokens 2000
       specrun status specrun-jobs/prompts
     """
-    from specrun.cli.generate import DEMO_NOTICE
     from specrun.job import prepare
     from specrun.jobs.parquet_in import Columns
+    from specrun.llm import DEMO_NOTICE
 
     check_detach(kw["detach"], address)
     _check_hot_start(hot_start)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from specrun.decoding.drafters.protocol import DRAFTER_NAMES
-from specrun.decoding.engine import EngineConfig
-from specrun.decoding.forward.attention import BACKENDS
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.choices import BACKENDS, DRAFTER_NAMES
+
+if TYPE_CHECKING:  # torch's modules load when a command runs, not for --help or status
+    from specrun.decoding.engine import EngineConfig
+    from specrun.decoding.verify.params import SamplingParams
 
 
 def stack_options(*decorators):
@@ -146,6 +148,8 @@ def parse_tree(value: str) -> tuple[int, ...]:
 
 
 def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
+    from specrun.decoding.verify.params import SamplingParams
+
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
@@ -176,6 +180,8 @@ def engine_config_from(kw: dict, base: EngineConfig | None = None, given=()) -> 
                   kv_mode=kw["kv_mode"], kv_budget=kw["kv_budget"], kv_sinks=kw["kv_sinks"], attention=kw["attention"],
                   compile_layers="on" if kw.get("compile_all") else kw.get("compile_layers", "auto"),
                   compile_draft=kw.get("compile_draft", "auto"))
+    from specrun.decoding.engine import EngineConfig
+
     try:
         if base is None:
             return EngineConfig(**fields)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specrun.decoding.choices import DRAFTER_NAMES
 from specrun.decoding.drafters.heads import DraftHeads, load_heads
 from specrun.decoding.drafters.partial_kv import PartialKV
 from specrun.decoding.drafters.protocol import (
     AUTO_DRAFTERS,
-    DRAFTER_NAMES,
     NEEDS_DRAFTER,
     NEEDS_HEADS,
     NEEDS_QUANT,

@@ -25,7 +25,7 @@ from specrun.decoding.forward.paged_runner import PagedRunner
 from specrun.decoding.forward.solo_runner import SoloRunner
 from specrun.decoding.stats import GenStats
 from specrun.decoding.step import Drafting, accept, draft, new_sequence, width_tuner
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
 from specrun.decoding.verify.trie import Trie, build_trie
 from specrun.decoding.width.shadow import Shadow, shadowable

@@ -13,7 +13,7 @@ import torch
 from specrun.decoding.drafters.protocol import MERGE_PRIORITY, NOISE_COUPLED, Drafter, Verified
 from specrun.decoding.drafters.quant_draft import MAX_CHAIN
 from specrun.decoding.stats import GenStats
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
 from specrun.decoding.verify.trie import Draft, DraftContext, Trie, build_trie, merge_drafts, record_sampled, walk
 from specrun.decoding.width.shadow import Shadow

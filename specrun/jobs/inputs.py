@@ -20,7 +20,7 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.stops import check_stop_token_ids, check_stops
 from specrun.errors import InputError  # also imported from here
 from specrun.jobs.openai_in import from_openai

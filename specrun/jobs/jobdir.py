@@ -13,13 +13,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.errors import SpecrunError
 from specrun.jobs.inputs import PromptRecord
 from specrun.storage.atomic import atomic_write_json, read_json
@@ -30,6 +30,9 @@ from specrun.storage.names import id_key
 from specrun.storage.records import Records
 from specrun.storage.rowfiles import row_writer
 from specrun.storage.schemas import PROMPTS
+
+if TYPE_CHECKING:  # the engine's modules (torch) load where a run needs them, not for `specrun status`
+    from specrun.decoding.engine import EngineConfig
 
 # manifest entries that change the generated tokens: they must match to resume (the attention backend can change the
 # logits' last bits); every other setting may change between attempts (jobs/attempts.py): compiled layers run only
@@ -272,6 +275,8 @@ def _param_defaults() -> dict:
 
 
 def _default(key: str):
+    from specrun.decoding.engine import EngineConfig
+
     return getattr(EngineConfig, key.split(".", 1)[1]) if key.startswith("engine.") else None
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from specrun.decoding.engine import EngineConfig
+if TYPE_CHECKING:  # the engine's modules (torch) load where a run needs them, not for `specrun status`
+    from specrun.decoding.engine import EngineConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 128 + signal.SIGINT  # a stop by signal S exits 128 + S
 

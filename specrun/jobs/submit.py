@@ -15,7 +15,7 @@ from specrun import __version__
 from specrun.decoding.drafters.heads import read_heads_config
 from specrun.decoding.drafters.recurrent_files import any_builtin_drafter
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.errors import describe_os_error
 from specrun.jobs.inputs import read_prompts
 from specrun.jobs.jobdir import JobDir, JobError, engine_json, manifest_differences

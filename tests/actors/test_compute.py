@@ -13,7 +13,7 @@ from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.engine import Engine
 from specrun.decoding.forward.runner import DecoderRunner
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.modelinfo import model_info
 from specrun.models import loader
 

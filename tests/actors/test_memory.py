@@ -18,7 +18,7 @@ from specrun.actors.memory import (
 )
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.engine import Engine
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.jobdir import JobError, PromptInfo
 from specrun.jobs.modelinfo import model_info
 from specrun.jobs.workerspec import _batching

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.width.tuner import candidate_widths
 from specrun.jobs.modelinfo import model_info
 from specrun.storage.chunks import read_progress

@@ -11,7 +11,7 @@ import pytest
 
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.modelinfo import model_info
 from specrun.models.loader import load_model
 from specrun.storage.chunks import read_progress

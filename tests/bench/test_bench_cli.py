@@ -122,7 +122,7 @@ def test_proxy_model_script_smoke(tmp_path, capsys):
 def test_lockstep_runs_match_runs_alone_and_time_only_their_own_steps(load_fixture):
     from specrun.bench.runner import run_lockstep
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
 
     lm = load_fixture("llama_gqa")
     prompt = lm.tokenizer.encode("abcabc abcabc")
@@ -142,7 +142,7 @@ def test_lockstep_runs_match_runs_alone_and_time_only_their_own_steps(load_fixtu
 def test_run_bench_steps_its_specrun_runs_together_only_in_lockstep(load_fixture, monkeypatch, lockstep):
     from specrun.bench import runner
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
 
     lm = load_fixture("llama_gqa")
     groups = []
@@ -168,7 +168,7 @@ def _ar_and_a_real_divergence(load_fixture):
     """-> lm, prompt, params, AR's 10 tokens, and those tokens with the 5th replaced by AR's runner-up there"""
     from specrun.bench.neartie import ar_scores
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
 
     lm = load_fixture("llama_gqa")
     prompt = lm.tokenizer.encode("abc abc")
@@ -227,7 +227,7 @@ def test_a_levels_runs_take_turns_a_step_each_in_lockstep_else_run_whole_one_aft
     on every run alike; --one-by-one: each run whole, then the next. Either way each run's tokens are AR's."""
     from specrun.bench.concurrency import run_concurrency
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
 
     lm = load_fixture("llama_gqa", "float32")
     order, real = [], Engine.step  # the timed steps (the AR references after them run one prompt a time)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from specrun.bench.clock import LengthClock as _LengthClock
 from specrun.bench.llama_cpp import run_llama_cpp
 from specrun.cli import main
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 
 class FakeLlama:

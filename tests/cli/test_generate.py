@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from specrun.cli import main
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.models.loader import load_model
 
 

@@ -206,7 +206,7 @@ def test_a_directory_with_other_files_is_never_taken_over(model, tmp_path):
 # -- 6. a prompt longer than any that fits is refused before tokenizing ------------------------------------------
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(model, tmp_path):
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.inputs import InputError, read_prompts
     from specrun.jobs.modelinfo import model_info
     from specrun.models.prompts import max_text_bytes

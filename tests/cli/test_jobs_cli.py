@@ -47,7 +47,7 @@ def reference(model, tmp_path_factory):
     import torch
 
     from specrun.decoding.engine import Engine
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.inputs import read_prompts
     from specrun.jobs.modelinfo import model_info
     from specrun.models.loader import load_model
@@ -172,7 +172,7 @@ def test_killing_a_worker_process_mid_generation_still_completes_identically(mod
 
 def test_second_driver_and_changed_model_or_params_are_refused(model, tiny_models, prompts_file, tmp_path):
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, prepare_job
 
@@ -221,7 +221,7 @@ def _fifo(path: Path, data: bytes) -> Path:
 
 def test_piped_input_is_hashed_as_read_and_other_piped_content_is_refused(model, tmp_path):
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, prepare_job
 
@@ -247,7 +247,7 @@ def test_piped_input_is_hashed_as_read_and_other_piped_content_is_refused(model,
 
 def test_trust_remote_code_is_never_taken_from_job_json_alone(model, tiny_models, prompts_file, tmp_path):
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, prepare_job
 

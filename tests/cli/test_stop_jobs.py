@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from specrun.cli import main
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.jobdir import JobDir
 from specrun.jobs.modelinfo import model_info
 from specrun.jobs.submit import JobSettings, prepare_job

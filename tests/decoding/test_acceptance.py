@@ -3,7 +3,7 @@
 import math
 
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
 

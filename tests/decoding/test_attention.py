@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.forward.attention import attend_lse, merge_states
 from specrun.decoding.forward.runner import ModelRunner
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.trie import Draft, build_trie
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

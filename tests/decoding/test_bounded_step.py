@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 
 class OutputSizes(TorchDispatchMode):

@@ -4,7 +4,7 @@ import pytest
 
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.width.acceptance import EMA
 from specrun.decoding.width.costs import COST_WINDOW
 from specrun.decoding.width.explore import EXPLORE_EVERY, EXPLORE_EVERY_AR, EXPLORE_MAX_AR

@@ -12,7 +12,7 @@ import torch
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.compiled import MAX_ROWS, CompiledLayers, _key
 from specrun.decoding.forward.runner import ModelRunner
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="inductor compiles C++: no compiler here")

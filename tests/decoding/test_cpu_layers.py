@@ -9,7 +9,7 @@ from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_runner import PagedRunner
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.models.loader import load_model
 from specrun.models.tiny import build_tiny_model
 

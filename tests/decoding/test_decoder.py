@@ -72,7 +72,7 @@ def test_refuses_a_rope_whose_frequencies_depend_on_the_length(tiny_models, tmp_
 @pytest.mark.parametrize("name", ["linear", "llama3", "yarn"])
 def test_position_pure_ropes_draft_and_resume_as_ar(tiny_models, tmp_path, name):
     from specrun.decoding.engine import Engine, EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
 
     lm = load_model(_rope_model(tiny_models, tmp_path, name), dtype="float64")
     prompt = lm.tokenizer.encode("the cat sat on the mat. the cat sat")

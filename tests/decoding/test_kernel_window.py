@@ -17,7 +17,7 @@ from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.kv_cache import KVCache
 from specrun.decoding.forward.kv_codes import KVCodes
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.models.loader import load_model
 from tests.decoding.test_quant_draft import PROMPT, _on_grid, _slots, model_dir  # noqa: F401 (a fixture)
 

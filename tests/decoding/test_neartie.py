@@ -6,7 +6,7 @@ import torch
 from specrun.bench import neartie
 from specrun.bench.neartie import ar_scores, check_divergence
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 SAMPLED = SamplingParams(max_tokens=40, temperature=0.9, top_k=50, min_p=0.02, penalty=1.3, penalty_window=7,
                          seed=5, ignore_eos=True)

@@ -7,7 +7,7 @@ from specrun.decoding.drafters.heads import DraftHeads
 from specrun.decoding.drafters.partial_kv import PartialKV, importance, select_top
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.forward.kv_cache import KVCache
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2), (8, 1)])

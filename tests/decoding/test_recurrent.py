@@ -10,7 +10,7 @@ from specrun.decoding.drafters.recurrent import DraftWeights, RecurrentDraft, _p
 from specrun.decoding.drafters.recurrent_files import builtin_drafter, load_drafter, model_signature, save_drafter
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
 from specrun.decoding.verify.trie import build_trie
 from specrun.train.heads import hidden_states

@@ -8,7 +8,7 @@ from specrun.decoding.drafters.quant_draft import quantized
 from specrun.decoding.drafters.self_draft import FusedDrafter, TreeTemplate
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.trie import DraftContext
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"

@@ -10,7 +10,7 @@ from specrun.decoding.forward.dense_attention import attend_dense, dense_rows
 from specrun.decoding.forward.paged_attention import attend_paged, attend_sdpa, resolve_backend, sdpa_spans
 from specrun.decoding.forward.paged_kv import PagePool
 from specrun.decoding.forward.plan import build_plan, packbits, unpackbits
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from tests.decoding.test_attention import CUDA
 
 REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat"

@@ -4,7 +4,7 @@ import pytest
 
 import specrun.decoding.step as step_mod
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.trie import Draft, build_trie
 from specrun.decoding.width.explore import EXPLORE_MAX_AR, EXPLORE_MAX_SHADOWED
 from specrun.decoding.width.shadow import SHADOW_EVERY, SHADOW_SOON, SHADOW_SOON_PATH, Shadow, shadowable

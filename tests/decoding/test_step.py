@@ -7,7 +7,7 @@ import torch
 
 from specrun.decoding.stats import GenStats
 from specrun.decoding.step import Drafting, accept
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.sequence import Sequence
 from specrun.decoding.verify.trie import Draft, DraftContext, build_trie
 

@@ -13,7 +13,7 @@ import pytest
 
 from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.verify import stops as stops_mod
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.stops import MAX_HELD, StopMatcher, first_stop
 from specrun.models.loader import decode_tokens, output_text
 

@@ -91,7 +91,7 @@ def _run_child(args: list[str], poll_root: Path | None = None) -> tuple[dict, di
 
 def run(n: int, tokens: int, workdir: Path, check: int = 50, model: str | None = None) -> dict:
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, prepare_job
     from specrun.models.tiny import build_tiny_model
@@ -122,7 +122,7 @@ def run_export_only(n: int, tokens: int, workdir: Path, files: int = 4) -> dict:
     dealt round-robin, so export merges them all at once), then exported by child processes."""
     import pyarrow as pa
 
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.inputs import PromptRecord
     from specrun.jobs.jobdir import JobDir
     from specrun.storage.records import output_row

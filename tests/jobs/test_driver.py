@@ -25,7 +25,7 @@ from rich.console import Console
 
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.attempts import read_attempts
 from specrun.jobs.driver import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, RunOptions, _Interrupts, run_job
 from specrun.jobs.export import finished_table

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from specrun.cli import main
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs import inputs
 from specrun.jobs.inputs import InputError, derive_seed, read_prompts
 from specrun.jobs.modelinfo import model_info

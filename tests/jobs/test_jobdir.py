@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.export import export
 from specrun.jobs.jobdir import JobDir, JobError
 from specrun.jobs.modelinfo import model_info

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.inputs import InputError, read_prompts
 from specrun.jobs.modelinfo import model_info
 from specrun.jobs.parquet_in import Columns

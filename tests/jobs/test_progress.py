@@ -80,7 +80,7 @@ def test_a_view_never_used_draws_nothing():
 
 def test_a_run_draws_its_final_counts_on_a_rich_view(tmp_path, tiny_models, local_ray):
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.driver import RunOptions, run_job
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, prepare_job

@@ -22,7 +22,7 @@ import specrun.storage.outputs as outputs
 from specrun.actors.memory import AUTO_MAX
 from specrun.actors.worker import GenerationWorker, WorkerSpec
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.driver import RunOptions, _Driver, run_job
 from specrun.jobs.export import export
 from specrun.jobs.inputs import PromptRecord

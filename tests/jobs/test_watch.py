@@ -12,7 +12,7 @@ from rich.console import Console
 
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs import watch as watch_mod
 from specrun.jobs.modelinfo import model_info
 from specrun.jobs.submit import JobSettings, prepare_job

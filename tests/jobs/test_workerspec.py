@@ -27,7 +27,7 @@ def test_the_driver_counts_each_prompts_checkpointed_tokens(tmp_path, tiny_model
     import json
 
     from specrun.decoding.engine import EngineConfig
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
     from specrun.jobs.modelinfo import model_info
     from specrun.jobs.submit import JobSettings, prepare_job
     from specrun.storage.chunks import write_chunk

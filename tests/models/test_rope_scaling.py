@@ -82,7 +82,7 @@ def _job_seed(pid: str) -> int:
 
 
 def _params():
-    from specrun.decoding.verify.sampling import SamplingParams
+    from specrun.decoding.verify.params import SamplingParams
 
     return SamplingParams(max_tokens=24, ignore_eos=True)
 

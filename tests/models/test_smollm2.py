@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from specrun.decoding.engine import Engine, EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.models import smollm2
 from specrun.models.loader import load_model, resolve_model_dir
 

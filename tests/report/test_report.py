@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from specrun.cli import main
 from specrun.decoding.engine import EngineConfig
-from specrun.decoding.verify.sampling import SamplingParams
+from specrun.decoding.verify.params import SamplingParams
 from specrun.jobs.driver import EXIT_INTERRUPTED, RunOptions, run_job
 from specrun.jobs.modelinfo import model_info
 from specrun.jobs.submit import JobSettings, prepare_job

@@ -14,8 +14,6 @@ from specrun.decoding.drafters.ngram import NGramPool, SuffixCopy
 from specrun.decoding.drafters.recycling import RecyclingMatrix
 from specrun.decoding.verify.trie import Draft, DraftContext
 
-# drafting order: a head's guess keys the n-grams
-DRAFTER_NAMES = ("quant", "heads", "fused", "recurrent", "ngram", "recycling")
 # trie budget order: the 4-bit self-draft leads (AR's own picks under near-identical weights), then the recurrent
 # drafter's best-first tree (it imitates AR's own pick, sampled text included), then n-grams (exact repeats)
 MERGE_PRIORITY = ("quant", "recurrent", "ngram", "heads", "fused", "recycling")

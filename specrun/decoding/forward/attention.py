@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specrun.decoding.choices import BACKENDS
 from specrun.decoding.forward.kv_cache import KVCache
 from specrun.decoding.kernels.cpu_kernels import CpuKernels
-
-BACKENDS = ("sdpa", "split")
 
 
 def check_backend(name: str) -> None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specrun.decoding.choices import PAGED_BACKENDS
 from specrun.decoding.forward.dense_attention import Dense, attend_dense, dense_rows
 from specrun.decoding.forward.paged_kv import PagePool, gather_slots, gather_tokens
 from specrun.decoding.forward.plan import BatchPlan
 
-PAGED_BACKENDS = ("sdpa", "dense", "paged", "flashinfer")
 REDUCED = (torch.bfloat16, torch.float16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # head sizes its prefill kernels are built for
 
