@@ -5,8 +5,8 @@ PYTHON ?= python
 install:
 	$(PYTHON) -m pip install -e ".[dev]"
 
-# Two processes (pytest-xdist): the modules that start Ray or other processes one after another in one of them, the
-# rest beside them (tests/conftest.py).
+# Two processes (pytest-xdist): the modules that start Ray one after another in one of them, the rest beside them
+# (tests/conftest.py).
 test:
 	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15
 

@@ -174,7 +174,7 @@ class GenerationWorker:
     def generate(self, task: dict) -> dict:
         """task: id, input_ids, params (SamplingParams fields), resume_from -> result dict (see driver); "warnings"
         lists the best-effort writes that failed (and were retried) on the way."""
-        from specrun.decoding.verify.sampling import SamplingParams
+        from specrun.decoding.verify.params import SamplingParams
         from specrun.models.loader import output_text
 
         self.load()

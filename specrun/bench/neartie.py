@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specrun.decoding.forward.runner import ModelRunner
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.penalty import PenaltyWindow
-from specrun.decoding.verify.sampling import SamplingParams, apply_penalty, gumbel_noise, truncate
+from specrun.decoding.verify.sampling import apply_penalty, gumbel_noise, truncate
 
 # How far a row-count change moves logits: smollm2 on CPU, the same positions computed in 1-row (AR) forwards and in
 # 2-64-row causal forwards, 160 generated tokens: max |dlogit| bf16 1.0 (13 argmax flips),

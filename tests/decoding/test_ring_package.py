@@ -3,7 +3,7 @@ where it can run (the cache's own rules: test_aot_package.py)."""
 
 import torch
 
-from specrun.decoding.drafters import ring_graph, ring_package
+from specrun.decoding.drafters import ring_package
 from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward import aot_package
 from specrun.decoding.forward.runner import ModelRunner
@@ -15,17 +15,15 @@ def test_a_package_is_named_by_its_weights_rows_keys_threads_and_host(model_dir,
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)  # an emulation of another CPU set by whoever runs this
     lm = _on_grid(load_model(str(model_dir), dtype="float32"))
     fwd = TorchForward.of(ModelRunner(lm, max_rows=4).decoder)
-    opts = ring_graph.options(4)
-
-    def named(rows=1, keys=4096, bits=4, options=opts):
-        return ring_package.package_name(fwd, bits, options, rows, keys)
+    def named(rows=1, keys=4096, bits=4):
+        return ring_package.package_name(fwd, bits, rows, keys)
 
     name = named()
     assert name == named() and name.startswith("draft-1-") and name.endswith(".pt2")
-    assert ring_package.path(fwd, 4, opts, 1, 4096).name == name
+    assert ring_package.path(fwd, 4, 1, 4096).name == name
     assert named(rows=0) != name  # several sequences a call
     assert named(keys=2048) != name  # another bound on the ring's keys
-    assert named(bits=8, options=ring_graph.options(8)) != name  # the layers in 8 bits, autotuned
+    assert named(bits=8) != name  # the layers in 8 bits, autotuned
     weight = fwd.dec.layers[1].gate_up.weight  # the model's: the package's low-bit copy is made from it
     kept = weight.clone()
     with torch.inference_mode():

@@ -23,7 +23,8 @@ from specrun.decoding.drafters.quant_torch import TorchForward
 from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
-from specrun.decoding.verify.sampling import SamplingParams, ar_choice, kernel_sampling
+from specrun.decoding.verify.params import SamplingParams
+from specrun.decoding.verify.sampling import ar_choice, kernel_sampling
 from specrun.decoding.verify.trie import Draft, DraftContext
 
 # the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the

@@ -16,7 +16,7 @@ import torch
 
 from specrun.decoding.drafters import quant_torch, ring_package
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward
-from specrun.decoding.drafters.ring_graph import Graph, options
+from specrun.decoding.drafters.ring_graph import Graph
 from specrun.decoding.forward import aot_package
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
@@ -37,7 +37,6 @@ class RingForward:
         dec = fwd.dec
         self.fwd, self.dec = fwd, dec  # fwd: the eager draft (its rotary and head rows serve the graph in any bits)
         self.bits = bits or fwd.bits  # the graph's layers' (quant_torch.compiled_bits)
-        self.options = options(self.bits)
         self.sinks, self.window = quant_torch.SINKS, quant_torch.WINDOW
         self.full = self.window + RESERVE  # ring positions past the sinks once the text fills the window
         self._graph: Graph | None = None
@@ -94,7 +93,7 @@ class RingForward:
 
     def _path(self, rows: int):
         if rows not in self._paths:  # the name hashes the weights: once a forward
-            self._paths[rows] = ring_package.path(self.fwd, self.bits, self.options, rows, self.sinks + self.full)
+            self._paths[rows] = ring_package.path(self.fwd, self.bits, rows, self.sinks + self.full)
         return self._paths[rows]
 
     def _package(self, rows: int):

@@ -13,7 +13,8 @@ from torch import nn
 
 from specrun.decoding.forward.linear import Linear
 from specrun.decoding.kernels.cpu_kernels import TOPK_MAX, cpu_kernels
-from specrun.decoding.verify.sampling import FEW_PAIRS, SamplingParams, gumbel_at, kernel_sampling, process_logits
+from specrun.decoding.verify.params import SamplingParams
+from specrun.decoding.verify.sampling import FEW_PAIRS, gumbel_at, kernel_sampling, process_logits
 from specrun.decoding.verify.trie import Draft, DraftContext
 
 DEFAULT_SHAPE = (4, 2, 2, 1, 1)  # children per node at depths 1..5 (60 nodes); nodes are ordered best-first

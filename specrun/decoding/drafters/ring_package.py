@@ -2,7 +2,7 @@
 built once per machine and model (1-3 minutes for smollm2: 3 where its layers are 8-bit, autotuned), then loaded by
 any later process in about a second.
 
-path(fwd, bits, options, rows) names the package of a draft's graph for one sequence a call (rows 1) or several (rows
+path(fwd, bits, rows) names the package of a draft's graph for one sequence a call (rows 1) or several (rows
 0) without making its low-bit copy; build() exports and compiles it. A package is a proposal-maker only (I1): a wrong
 one would cost speed, never output; its name covers the weights, the code that traces it, torch, the CPU and its
 threads.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specrun.decoding.drafters import ring_graph
 from specrun.decoding.forward import aot_package
 from specrun.models.cache import cache_root
 
@@ -43,20 +44,21 @@ class _Source(torch.nn.Module):
         self.register_buffer("head", dec.lm_head.weight)
 
 
-def package_name(fwd, bits: int, options: dict, rows: int, max_keys: int) -> str:
+def package_name(fwd, bits: int, rows: int, max_keys: int) -> str:
     """A name for the package of fwd's graph in `bits` (aot_package.name): the model's weights, the bits, shapes and
     constants, the inductor options, the traced code."""
     dec = fwd.dec
     layers = [(L.scaling, aot_package.act_id(L.act), L.ln1.eps, L.ln2.eps,
                *(n if n is None else n.eps for n in (L.q_norm, L.k_norm))) for L in fwd.layers]
     return aot_package.name(PREFIX, "1" if rows == 1 else "n", Path(__file__).parent, SOURCES, _Source(dec), rows,
-                            max_keys, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers, fwd.norm.eps, options)
+                            max_keys, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers, fwd.norm.eps,
+                            ring_graph.options(bits))
 
 
-def path(fwd, bits: int, options: dict, rows: int, max_keys: int) -> Path:
+def path(fwd, bits: int, rows: int, max_keys: int) -> Path:
     """Where the package of fwd's graph in `bits` for `rows` sequences a call (1, or 0: any number up to MAX_ROWS)
     lives."""
-    return cache_root() / "drafts" / package_name(fwd, bits, options, rows, max_keys)
+    return cache_root() / "drafts" / package_name(fwd, bits, rows, max_keys)
 
 
 def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, where: Path):

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.penalty import PenaltyWindow
-from specrun.decoding.verify.sampling import SamplingParams, ar_choice
+from specrun.decoding.verify.sampling import ar_choice
 from specrun.decoding.verify.stops import StopMatcher
 from specrun.decoding.verify.trie import DraftContext, Trie
 
