@@ -5,6 +5,7 @@ stores only what the compile derived from them and computes as the module does."
 import logging
 import os
 import shutil
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -77,6 +78,32 @@ def test_a_build_prunes_the_cache(tmp_path, monkeypatch):
     where = tmp_path / "draft-1-0new.pt2"
     assert aot_package.write("program", {}, where, "draft") == "loaded"
     assert where.read_bytes() == b"package" and all(f.exists() for f in fresh) and not stale.exists()
+
+
+def test_two_builds_of_one_graph_never_overlap(tmp_path, monkeypatch):
+    """Inductor packages a graph's generated files after releasing its own lock on them: a second build of the graph
+    in the meantime rewrote one being packaged. The first build waits inside for a second to come in; none does."""
+    program = torch.export.export(_Two(), (torch.zeros(2, 32),))
+    inside, most, second = [0], [0], threading.Event()
+
+    def compile_and_package(program, package_path, inductor_configs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        if inside[0] > 1:
+            second.set()
+        second.wait(timeout=1.5)
+        inside[0] -= 1
+        Path(package_path).write_bytes(b"package")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: "loaded")
+    builds = [threading.Thread(target=aot_package.write, args=(program, {}, tmp_path / f"draft-n-{i}.pt2", "draft"))
+              for i in range(2)]
+    for b in builds:
+        b.start()
+    for b in builds:
+        b.join()
+    assert most[0] == 1 and all((tmp_path / f"draft-n-{i}.pt2").exists() for i in range(2))
 
 
 def test_prune_leaves_other_kinds_of_package(tmp_path):

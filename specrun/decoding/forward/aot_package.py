@@ -186,6 +186,22 @@ def prune(folder: Path, prefix: str, now: float | None = None) -> list[Path]:
     return removed
 
 
+@contextlib.contextmanager
+def _building(program, options: dict):
+    """Held while a program is compiled and packaged: one build of a graph at a time among the processes that share
+    inductor's cache. Inductor writes a graph's generated files (its library, its JSON) at one path of that cache, under
+    its own lock, but packages them after releasing it: a second process compiling the same graph meanwhile rewrote a
+    file the first was packaging (an empty JSON in the package). Keyed by the graph (its code, shapes and options), so
+    models of one architecture build one at a time and other graphs in parallel."""
+    from filelock import FileLock
+    from torch._inductor.codecache import get_lock_dir
+
+    key = hashlib.sha256(repr((str(program), sorted(options.items()))).encode()).hexdigest()[:20]
+    os.makedirs(get_lock_dir(), exist_ok=True)
+    with FileLock(os.path.join(get_lock_dir(), f"specrun-build-{key}.lock")):
+        yield
+
+
 def _sound(where: Path) -> bool:
     try:
         with zipfile.ZipFile(where) as z:
@@ -210,8 +226,8 @@ def write(program, options: dict, where: Path, prefix: str, shared: dict[str, to
             fd, tmp = tempfile.mkstemp(prefix=f".{where.name}.", suffix=".pt2", dir=where.parent)
             os.close(fd)
             tmps.append(tmp)
-        with warnings.catch_warnings():  # torch's own deprecation notices from inside the packaging, not the user's
-            warnings.simplefilter("ignore", FutureWarning)
+        with warnings.catch_warnings(), _building(program, options):  # torch's own deprecation notices from inside
+            warnings.simplefilter("ignore", FutureWarning)  # the packaging, not the user's
             torch._inductor.aoti_compile_and_package(program, package_path=tmps[0],
                                                      inductor_configs={**options, **(APART if shared is not None else {})})
         if shared is not None:
