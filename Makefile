@@ -5,7 +5,7 @@ PYTHON ?= python
 install:
 	$(PYTHON) -m pip install -e ".[dev]"
 
-# Two processes (pytest-xdist): the modules that start Ray one after another in one of them, the rest beside them
+# Two processes (pytest-xdist): each test module in one of them (its fixtures made once), modules side by side
 # (tests/conftest.py).
 test:
 	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15

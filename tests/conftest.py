@@ -1,13 +1,12 @@
 """Shared fixtures: tiny offline models (built once per session into a tmp dir) and a private SPECRUN_CACHE.
 
 Fixtures: tiny_models (name -> model dir), load_fixture(name, dtype="float64") -> LoadedModel (fresh load), specrun_cache,
-local_ray (one local Ray per test module). Under pytest-xdist (`make test`: two processes) the modules that start Ray
-run in one of them, one after another (see pytest_collection_modifyitems).
+local_ray (one local Ray per test module). Under pytest-xdist (`make test`: two processes) each module runs in one of
+them (see pytest_collection_modifyitems).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -75,20 +74,11 @@ def local_ray():
     ray.shutdown()
 
 
-# A module that starts Ray (itself, through run_job or local_ray, or in a `specrun submit` or `resume`): such modules
-# never overlap (two local Rays, or a `ray start` cluster that another module's ray.init would join, on one machine),
-# whatever else runs beside them. Other subprocesses (a `make`, a lock's racers) run beside anything.
-_STARTS_RAY = re.compile(r"\bray\b|run_job|local_ray|\"(submit|resume)\"")
-
-
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's --dist loadgroup every test of a module that starts Ray goes to the group "ray"
-    (one worker, one test after another); the rest spread over the workers (they run in one thread mostly: the
-    machine's other core was idle beside them)."""
-    starts: dict[str, bool] = {}
+    """Under pytest-xdist's --dist loadgroup each module's tests run in one process, one after another: a module's
+    fixtures (a model loaded, its packages compiled, a local Ray started) are made once, never twice at once in both.
+    Modules run beside each other, Ray's among them (each local Ray or `ray start` cluster has its own ports and
+    temporary directory)."""
     for item in items:
-        path = str(item.path)
-        if path not in starts:
-            starts[path] = bool(_STARTS_RAY.search(Path(path).read_text()))
-        if starts[path]:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
