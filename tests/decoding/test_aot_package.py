@@ -1,6 +1,6 @@
 """The cache of AOTInductor packages: a damaged one is not loaded but removed (then built anew), a sound one that does not
-load is kept; packages long unused go, past the most recently used; a package built with the model's weights apart
-stores only what the compile derived from them and computes as the module does."""
+load is kept; packages long unused go, past the most recently used; two builds of one graph never overlap; a package
+built with the model's weights apart stores only what the compile derived from them and computes as the module does."""
 
 import logging
 import os

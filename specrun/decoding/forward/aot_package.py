@@ -226,8 +226,8 @@ def write(program, options: dict, where: Path, prefix: str, shared: dict[str, to
             fd, tmp = tempfile.mkstemp(prefix=f".{where.name}.", suffix=".pt2", dir=where.parent)
             os.close(fd)
             tmps.append(tmp)
-        with warnings.catch_warnings(), _building(program, options):  # torch's own deprecation notices from inside
-            warnings.simplefilter("ignore", FutureWarning)  # the packaging, not the user's
+        with warnings.catch_warnings(), _building(program, options):
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own notices from inside the packaging
             torch._inductor.aoti_compile_and_package(program, package_path=tmps[0],
                                                      inductor_configs={**options, **(APART if shared is not None else {})})
         if shared is not None:
