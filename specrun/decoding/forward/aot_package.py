@@ -197,8 +197,7 @@ def _building(program, options: dict):
     from torch._inductor.codecache import get_lock_dir
 
     key = hashlib.sha256(repr((str(program), sorted(options.items()))).encode()).hexdigest()[:20]
-    os.makedirs(get_lock_dir(), exist_ok=True)
-    with FileLock(os.path.join(get_lock_dir(), f"specrun-build-{key}.lock")):
+    with FileLock(os.path.join(get_lock_dir(), f"specrun-build-{key}.lock")):  # get_lock_dir makes the folder
         yield
 
 
