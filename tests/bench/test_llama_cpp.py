@@ -3,6 +3,7 @@ with a note naming why where the module or a GGUF file is missing."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import types
@@ -10,7 +11,7 @@ import types
 from click.testing import CliRunner
 
 from specrun.bench.clock import LengthClock as _LengthClock
-from specrun.bench.llama_cpp import run_llama_cpp
+from specrun.bench.llama_cpp import find_gguf, run_llama_cpp
 from specrun.cli import main
 from specrun.decoding.verify.params import SamplingParams
 
@@ -87,3 +88,22 @@ def test_bench_skips_the_llama_cpp_row_saying_why(tiny_models, tmp_path, monkeyp
     report = _bench(tiny_models["llama_mha"], "--runs", "llama_cpp,specrun_ar", "--gguf", str(gguf))
     assert [r["name"] for r in report["runs"]] == ["specrun_ar"]
     assert any("llama-cpp-python is not installed" in n for n in report["notes"])
+
+
+def test_finding_the_default_gguf_converts_no_model(tiny_models, tmp_path, monkeypatch):
+    """Whether a model is the built-in smollm2 is asked of the cache's path: another model's bench never converts
+    smollm2 (a minute, 540 MB) to compare with it."""
+    from specrun.models import smollm2
+
+    def no_convert(*a):
+        raise AssertionError("smollm2 converted")
+
+    monkeypatch.setenv("SPECRUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(smollm2, "_convert", no_convert)
+    assert find_gguf(types.SimpleNamespace(path=tiny_models["llama_mha"]), None) is None
+    assert find_gguf(types.SimpleNamespace(path="/x"), str(tmp_path / "m.gguf")) == tmp_path / "m.gguf"
+    converted = tmp_path / smollm2.CACHE_NAME
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    want = smollm2.gguf_file() if importlib.util.find_spec(smollm2.PACKAGE) else None
+    assert find_gguf(types.SimpleNamespace(path=str(converted)), None) == want
