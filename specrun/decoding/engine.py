@@ -164,19 +164,22 @@ class Engine:
         return [self._retire(a) for a in finished]
 
     def _draft(self, live: list[_Active], budget: int, quant) -> dict[str, float]:
-        """Every sequence's trie of `budget` nodes: the forward drafters run once for all (the self-draft's one forward,
-        the 4-bit chains' one forward a depth), then each sequence's drafters propose and merge. -> seconds by phase"""
+        """Every sequence's trie of `budget` nodes, or of k with k tokens left (the root's and a chain of k - 1: all it
+        can take): the forward drafters run once for all (the self-draft's one forward, the 4-bit chains' one
+        forward a depth), then each sequence's drafters propose and merge. -> seconds by phase"""
         t = time.perf_counter()
-        drafting = [a for a in live if a.heads is not None] if budget > 1 else []
+        widths = [min(budget, a.st.left) for a in live]
+        drafting = [a for a, w in zip(live, widths) if a.heads is not None and w > 1]
         if drafting:  # one self-draft forward for all: each root over its own partial cache
             draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
-        if quant is not None and budget > 1:  # one 4-bit forward a depth for every sequence's chain
-            qd.draft_batch(quant, [e for a in live if (e := self._quant_entry(a, budget)) is not None])
+        if quant is not None:  # one 4-bit forward a depth for every sequence's chain (none at width 1)
+            qd.draft_batch(quant, [e for a, w in zip(live, widths) if (e := self._quant_entry(a, w)) is not None])
         full = self.config.trie_budget
-        drafts = [draft(self.drafting, a.drafters, a.st, budget, full, a.shadow, self.lm.device) for a in live]
+        drafts = [draft(self.drafting, a.drafters, a.st, w, full if w == budget else w, a.shadow, self.lm.device)
+                  for a, w in zip(live, widths)]
         t_trie = time.perf_counter()
-        for a, d in zip(live, drafts):
-            a.trie = build_trie(a.st.root, d, budget, self.lm.device)
+        for a, d, w in zip(live, drafts, widths):
+            a.trie = build_trie(a.st.root, d, w, self.lm.device)
         return {"draft": t_trie - t, "trie": time.perf_counter() - t_trie}
 
     def _accept(self, live: list[_Active], budget: int, hidden: torch.Tensor, logits: torch.Tensor,

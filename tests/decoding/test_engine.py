@@ -218,3 +218,33 @@ def test_bad_inputs_are_refused_with_the_value(tiny_models):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="bogus"):
         EngineConfig(drafters=("bogus",))
+
+
+def test_a_sequence_near_its_end_verifies_no_more_nodes_than_tokens_it_may_take(tiny_models, monkeypatch):
+    """k tokens from its end a sequence takes at most k a step (the root's and a chain of k - 1): its trie holds no
+    more nodes, so a one-token request drafts nothing. Alone and beside a longer one, outputs are AR's."""
+    from specrun.decoding.engine import BatchConfig
+
+    lm = load(tiny_models, "llama_gqa")
+    prompt = lm.tokenizer.encode(REPETITIVE)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 7, 40)]
+    ar = [Engine(lm, EngineConfig(drafters=())).generate(prompt, p).token_ids for p in params]
+    for batch in (BatchConfig(), BatchConfig(concurrency=3, kv_tokens=3 * 128, page_size=32)):
+        engine = Engine(lm, EngineConfig(adaptive_budget=False), batch)
+        steps, verify = [], engine._verify
+
+        def spy(live):
+            steps.append([(a.st.params.max_tokens, a.trie.size, a.st.left) for a in live])
+            return verify(live)
+
+        monkeypatch.setattr(engine, "_verify", spy)
+        if batch.concurrency == 1:
+            got = [engine.generate(prompt, p).token_ids for p in params]
+            assert steps[0] == [(1, 1, 1)]  # the one-token request: its root alone
+        else:
+            out = engine.run([(i, prompt, p, []) for i, p in enumerate(params)])
+            got = [out[i].token_ids for i in range(3)]
+        assert got == ar
+        rows = [r for step in steps for r in step]
+        assert all(size <= left for _, size, left in rows), rows
+        assert any(size > 1 for n, size, _ in rows if n == 40)  # the long one drafted

@@ -261,11 +261,12 @@ class QuantDrafter:
 @torch.inference_mode()
 def draft_batch(forward: KernelForward | TorchForward | RingForward,
                 entries: list[tuple[object, QuantDrafter, DraftContext]]) -> None:
-    """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens through one forward a depth; entries: (its KV: its
-    store's view, with k, v and length; its drafter; its context), all of one step's budget."""
+    """Every entry's chain of min(budget - 1, MAX_CHAIN) tokens, the largest budget's, through one forward a depth (a
+    trie keeps what its own budget takes); entries: (its KV: its store's view, with k, v and length; its drafter; its
+    context)."""
     if not entries:
         return
-    k = min(entries[0][2].budget - 1, MAX_CHAIN)
+    k = min(max(ctx.budget for _, _, ctx in entries) - 1, MAX_CHAIN)
     chains = draft_chains(forward, [(kv, ctx) for kv, _, ctx in entries], k, [d for _, d, _ in entries])
     for (_, drafter, _), chain in zip(entries, chains):
         drafter.chain = chain

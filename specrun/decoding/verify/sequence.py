@@ -95,6 +95,11 @@ class Sequence:
         self.n += k
         self.out.extend(emitted)
 
+    @property
+    def left(self) -> int:
+        """New tokens still to come at most (max_tokens less those emitted)."""
+        return self.params.max_tokens - len(self.out)
+
     def finished(self) -> str | None:
         out, params = self.out, self.params
         if out and not params.ignore_eos and out[-1] in self.eos_ids:
