@@ -164,9 +164,8 @@ class Engine:
         return [self._retire(a) for a in finished]
 
     def _draft(self, live: list[_Active], budget: int, quant) -> dict[str, float]:
-        """Every sequence's trie of `budget` nodes, or of k with k tokens left (the root's and a chain of k - 1: all it
-        can take): the forward drafters run once for all (the self-draft's one forward, the 4-bit chains' one
-        forward a depth), then each sequence's drafters propose and merge. -> seconds by phase"""
+        """Every sequence's trie of `budget` nodes (of k with k tokens left: all it can take): the forward drafters run
+        once for all (the self-draft's one, the 4-bit chains' one a depth), then each one's propose. -> seconds"""
         t = time.perf_counter()
         widths = [min(budget, a.st.left) for a in live]
         drafting = [a for a, w in zip(live, widths) if a.heads is not None and w > 1]
@@ -174,9 +173,8 @@ class Engine:
             draft_batch(self.runner, self.heads, [(a.kv, a.heads, a.st.root, a.st.n - 1) for a in drafting])
         if quant is not None:  # one 4-bit forward a depth for every sequence's chain (none at width 1)
             qd.draft_batch(quant, [e for a, w in zip(live, widths) if (e := self._quant_entry(a, w)) is not None])
-        full = self.config.trie_budget
-        drafts = [draft(self.drafting, a.drafters, a.st, w, full if w == budget else w, a.shadow, self.lm.device)
-                  for a, w in zip(live, widths)]
+        drafts = [draft(self.drafting, a.drafters, a.st, w, self.config.trie_budget if w == budget else w, a.shadow,
+                        self.lm.device) for a, w in zip(live, widths)]
         t_trie = time.perf_counter()
         for a, d, w in zip(live, drafts, widths):
             a.trie = build_trie(a.st.root, d, w, self.lm.device)

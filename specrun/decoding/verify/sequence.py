@@ -72,7 +72,7 @@ class Sequence:
 
     def stop_rules(self, tokens: list[int]) -> list[int]:
         """The accepted tokens AR would have emitted: cut after max_tokens, or the first that ends the generation."""
-        tokens = tokens[: self.params.max_tokens - len(self.out)]
+        tokens = tokens[: self.left]
         for i, t in enumerate(tokens):
             if self._ends(t):
                 return tokens[: i + 1]
