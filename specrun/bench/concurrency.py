@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 
 from specrun.bench.neartie import check_divergence
+from specrun.decoding.config import COMPILE_DRAFT_TOKENS, COMPILE_LAYERS_TOKENS
+from specrun.decoding.drafters.quant_draft import compilable
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import resolve_backend
@@ -47,9 +49,10 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
             batches = {name: engine(configs[name], c) for name in names}
             for batch in batches.values():  # its c admits' total: compiling is not timed
                 batch.prepare(dataclasses.replace(params, max_tokens=c * params.max_tokens))
+            compiles = {name: _compiles(batch) for name, batch in batches.items()}
             timed = _lockstep(batches, [(i, prompts[i], params, []) for i in range(c)])
             for name, (seconds, results) in timed.items():
-                row = _row(name, c, r, seconds, results)
+                row = {**_row(name, c, r, seconds, results), **compiles[name]}
                 log(f"repeat {r + 1}/{repeat} {name} concurrency {c}: {row['tokens']} tokens, "
                     f"{row['tokens_per_s']:.1f} tok/s, {row['mean_accepted']:.2f} accepted/step")
                 out.append(row)
@@ -91,6 +94,40 @@ def _row(name: str, c: int, r: int, seconds: float, results: dict) -> dict:
             "tokens_per_s": tokens / seconds,
             "mean_accepted": sum(res.stats["mean_accepted"] for res in results.values()) / c,
             "widths": _merge_widths(res.stats.get("widths", {}) for res in results.values())}
+
+
+def _compiles(batch: Engine) -> dict:
+    """What an engine runs compiled once prepared: its layers (layers_compiled: None where compile_layers auto would
+    never compile them here) and its quantized self-draft (quant_draft: "compiled", "eager" (torch's, uncompiled),
+    "kernels" (our C kernels'), None (no such drafter))."""
+    from specrun.decoding.drafters.quant_ring import RingForward
+    from specrun.decoding.forward.compiled import eligible
+
+    quant, runner = batch.quant, batch.runner
+    draft = None if quant is None else "compiled" if isinstance(quant, RingForward) else \
+        "eager" if compilable(quant) else "kernels"
+    layers = True if runner.compiled else False if eligible(runner.decoder) else None
+    return {"layers_compiled": layers, "quant_draft": draft}
+
+
+def compile_notes(rows: list[dict], configs: dict[str, EngineConfig]) -> list[str]:
+    """What the reader of the rows must know about compiles that auto left out: a run of several sequences under
+    compile_draft auto whose quantized self-draft stayed uncompiled ran without it (several sequences draft with it
+    only compiled: decoding/compiles.py); layers that could compile ran eagerly."""
+    notes = []
+    no_draft = sorted({r["name"] for r in rows if r["concurrency"] > 1 and r.get("quant_draft") == "eager"
+                       and configs[r["name"]].compile_draft == "auto"})
+    if no_draft:
+        notes.append(f"{', '.join(no_draft)} ran without the quantized self-draft at concurrency > 1: several "
+                     f"sequences draft with it only compiled, no package of it is cached for this model, specrun and "
+                     f"CPU, and runs asking under {COMPILE_DRAFT_TOKENS:,} tokens do not build one; --compile-draft on "
+                     f"builds it once (1-3 minutes for smollm2), later runs load it in about a second")
+    eager = sorted({r["name"] for r in rows if r.get("layers_compiled") is False})
+    if eager:
+        notes.append(f"{', '.join(eager)} ran the layers uncompiled: no package of them is cached here, and runs "
+                     f"asking under {COMPILE_LAYERS_TOKENS:,} tokens do not build them; --compile-layers on builds "
+                     f"them once (a few minutes), later runs load them")
+    return notes
 
 
 def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict],

@@ -33,7 +33,7 @@ def concurrency_configs(base, only: str | None) -> dict:
 
 def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dtype, device, trust_remote_code,
                       as_json, kw, only: str | None = None, lockstep: bool = True) -> None:
-    from specrun.bench.concurrency import prompt_variants, run_concurrency, summarize_concurrency
+    from specrun.bench.concurrency import compile_notes, prompt_variants, run_concurrency, summarize_concurrency
     from specrun.cli.generate import encode_prompt, load_for_cli
     from specrun.decoding.forward.decoder import FusedDecoder
     from specrun.decoding.forward.paged_attention import resolve_backend
@@ -58,7 +58,7 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
     table = summarize_concurrency(rows)
     report = {"model": lm.path, "dtype": dtype, "device": str(lm.device), "tokens_per_prompt": max_tokens,
               "backend": backend, "mode": "greedy" if params.greedy else "sampled", "lockstep": lockstep, "runs": rows,
-              "table": table}
+              "table": table, "notes": compile_notes(rows, configs)}
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -72,7 +72,10 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
             t.add_row(r["name"], str(r["concurrency"]), f"{r['tokens_per_s']:.1f}", f"{r['vs_concurrency_1']:.2f}x",
                       f"{r['vs_ar']:.2f}x" if r["vs_ar"] else "-", f"{r['mean_accepted']:.2f}",
                       "yes" if r["identical_to_ar"] else "near tie" if r["lossless"] else "[red]NO[/red]")
-        Console(file=sys.stdout, width=160).print(t)
+        console = Console(file=sys.stdout, width=160)
+        console.print(t)
+        for note in report["notes"]:
+            console.print(f"note: {note}", highlight=False)
     exact = dtype in ("float32", "float64")
     if not all(r["lossless"] and (r["identical_to_ar"] or not exact) for r in table):
         sys.exit(1)

@@ -218,6 +218,35 @@ def test_bench_concurrency_json(tiny_models):
         assert r["tokens"] == 12 * r["concurrency"] and r["tokens_per_s"] > 0
         assert r["identical_to_ar"] is True and r["divergences"] == [] and r["lossless"] is True
     assert {t["name"] for t in report["table"] if t["vs_ar"] == 1.0} == {"specrun_ar"}
+    assert all(r["quant_draft"] in (None, "eager", "compiled", "kernels") and "layers_compiled" in r
+               for r in report["runs"])
+    assert {r["quant_draft"] for r in report["runs"] if r["name"] == "specrun_ar"} == {None}  # no drafter: no draft
+    # 12 tokens a prompt compile nothing: a spec run of 3 sequences whose draft is torch's is said to have run without
+    eager = any(r["quant_draft"] == "eager" and r["concurrency"] == 3 for r in report["runs"])
+    assert eager == any("specrun_spec ran without the quantized self-draft" in n for n in report["notes"]), report
+
+
+def test_a_concurrency_run_without_its_compiled_draft_or_layers_says_so():
+    """Under compile_draft auto several sequences draft with the quantized self-draft only compiled: a run whose draft
+    stayed uncompiled (nothing cached, too few tokens asked to build) ran without it, and the notes say so and how to
+    build it; likewise layers that could compile and ran eagerly. One sequence drafts eagerly: nothing to say."""
+    from specrun.bench.concurrency import compile_notes
+    from specrun.decoding.engine import EngineConfig
+
+    configs = {"specrun_ar": EngineConfig(drafters=()), "specrun_spec": EngineConfig()}
+    def row(name, c, draft, layers):
+        return {"name": name, "concurrency": c, "quant_draft": draft, "layers_compiled": layers}
+
+    rows = [row("specrun_ar", 1, None, True), row("specrun_spec", 1, "eager", True), row("specrun_ar", 4, None, False),
+            row("specrun_spec", 4, "eager", False)]
+    draft, layers = compile_notes(rows, configs)
+    assert draft.startswith("specrun_spec ran without the quantized self-draft") and "--compile-draft on" in draft
+    assert layers.startswith("specrun_ar, specrun_spec ran the layers uncompiled") and "--compile-layers on" in layers
+    assert compile_notes(rows[:2], configs) == []  # alone, the eager draft drafts; the layers compiled
+    off = {**configs, "specrun_spec": EngineConfig(compile_draft="off")}  # asked for: drafts eagerly, not a surprise
+    assert compile_notes([row("specrun_spec", 4, "eager", None)], off) == []
+    compiled = [row("specrun_spec", 4, "compiled", True), row("specrun_spec", 4, "kernels", None)]
+    assert compile_notes(compiled, configs) == []
 
 
 @pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "one by one"])
