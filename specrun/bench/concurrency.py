@@ -1,7 +1,8 @@
 """Aggregate throughput with N different prompts in flight on one worker: AR and speculative, batched, side by side.
 
-run_concurrency(...) -> one dict per timed run (name, concurrency, tokens_per_s, ...); each sequence's tokens are
-compared with the same prompt's AR output at the lowest concurrency: equal, or differing first at a reported near tie.
+run_concurrency(...) -> one dict per timed run (name, concurrency, tokens_per_s, what ran compiled, ...); each sequence's
+tokens are compared with the same prompt's AR output at the lowest concurrency: equal, or differing first at a reported
+near tie. compile_notes(rows, configs) says which runs went without a compile that auto left out.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def compile_notes(rows: list[dict], configs: dict[str, EngineConfig]) -> list[st
         notes.append(f"{', '.join(no_draft)} ran without the quantized self-draft at concurrency > 1: several "
                      f"sequences draft with it only compiled, no package of it is cached for this model, specrun and "
                      f"CPU, and runs asking under {COMPILE_DRAFT_TOKENS:,} tokens do not build one; --compile-draft on "
-                     f"builds it once (1-3 minutes for smollm2), later runs load it in about a second")
+                     f"builds it once (a few minutes for smollm2), later runs load it in about a second")
     eager = sorted({r["name"] for r in rows if r.get("layers_compiled") is False})
     if eager:
         notes.append(f"{', '.join(eager)} ran the layers uncompiled: no package of them is cached here, and runs "
