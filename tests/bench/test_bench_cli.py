@@ -234,6 +234,7 @@ def test_a_concurrency_run_without_its_compiled_draft_or_layers_says_so():
     from specrun.decoding.engine import EngineConfig
 
     configs = {"specrun_ar": EngineConfig(drafters=()), "specrun_spec": EngineConfig()}
+
     def row(name, c, draft, layers):
         return {"name": name, "concurrency": c, "quant_draft": draft, "layers_compiled": layers}
 
