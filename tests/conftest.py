@@ -1,8 +1,8 @@
 """Shared fixtures: tiny offline models (built once per session into a tmp dir) and a private SPECRUN_CACHE.
 
 Fixtures: tiny_models (name -> model dir), load_fixture(name, dtype="float64") -> LoadedModel (fresh load), specrun_cache,
-local_ray (one local Ray per test module). Under pytest-xdist (`make test`: two processes) each module runs in one of
-them (see pytest_collection_modifyitems).
+build_once (each compiled package built once per process), local_ray (one local Ray per test module). Under
+pytest-xdist (`make test`: two processes) each module runs in one of them (see pytest_collection_modifyitems).
 """
 
 from __future__ import annotations
@@ -61,6 +61,41 @@ def load_fixture(tiny_models):
         return load_model(tiny_models[name], dtype=dtype, device=device)
 
     return load
+
+
+@pytest.fixture(scope="session")
+def _kept_packages(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kept-packages")
+
+
+@pytest.fixture
+def build_once(monkeypatch, _kept_packages) -> list[str]:
+    """aot_package.write of a package this process built before (the same name: the same traced code, weights, shapes
+    and inductor options) puts a copy of that build in place and loads it instead of compiling the graph again: tests
+    that start from an empty cache to watch a build still see one. -> the names compiled for real."""
+    import os
+    import shutil
+
+    from specrun.decoding.forward import aot_package
+
+    real, compiled = aot_package.write, []
+
+    def write(program, options, where, prefix, shared=None, pool=None):
+        kept = _kept_packages / where.name
+        if kept.exists():
+            where.parent.mkdir(parents=True, exist_ok=True)
+            tmp = where.with_name(f".{where.name}.copy")
+            shutil.copyfile(kept, tmp)
+            os.replace(tmp, where)
+            return aot_package.load(where, shared, pool)
+        fn = real(program, options, where, prefix, shared, pool)
+        compiled.append(where.name)
+        shutil.copyfile(where, kept.with_name(f".{where.name}.copy"))
+        os.replace(kept.with_name(f".{where.name}.copy"), kept)
+        return fn
+
+    monkeypatch.setattr(aot_package, "write", write)
+    return compiled
 
 
 @pytest.fixture(scope="module")

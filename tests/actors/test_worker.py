@@ -152,7 +152,7 @@ def test_each_checkpoint_trims_the_heap(model, reference, tmp_path, monkeypatch)
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor compiles C++: no compiler here")
 @pytest.mark.parametrize("ahead", [99, 100])
-def test_a_worker_compiles_its_draft_when_warmed_not_during_its_prompts(tmp_path, monkeypatch, ahead):
+def test_a_worker_compiles_its_draft_when_warmed_not_during_its_prompts(tmp_path, monkeypatch, ahead, build_once):
     """The 4-bit draft on torch's kernels, its graph not cached, compile_draft auto (its mark here 100 tokens): with
     the run's tokens for this worker (tokens_ahead) past the mark, info() says warm() will compile; warm() compiles
     it, once, and the prompt then drafts through it with no compile of its own; short of the mark warm() compiles

@@ -32,8 +32,9 @@ def smooth_dir(tmp_path_factory):
                             seed=5, initializer_range=0.05)
 
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="inductor compiles C++: no compiler here")
+pytestmark = [pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                 reason="inductor compiles C++: no compiler here"),
+              pytest.mark.usefixtures("build_once")]  # several tests start from an empty cache: one build a graph
 
 
 def _near(logits: torch.Tensor, ids: torch.Tensor, want: torch.Tensor, where) -> None:
