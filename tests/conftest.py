@@ -73,18 +73,16 @@ def build_once(monkeypatch, _kept_packages) -> None:
     """aot_package.write of a package this process built before (the same name: the same traced code, weights, shapes
     and inductor options) puts a copy of that build in place and loads it instead of compiling the graph again: tests
     that start from an empty cache to watch a build still see one (their callers' counts and messages unchanged)."""
-    import os
     import shutil
 
     from specrun.decoding.forward import aot_package
+    from specrun.storage.atomic import atomic_path
 
     real = aot_package.write
 
     def copy(src: Path, dst: Path) -> None:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.copy")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        with atomic_path(dst, durable=False) as tmp:
+            shutil.copyfile(src, tmp)
 
     def write(program, options, where, prefix, shared=None, pool=None):
         kept = _kept_packages / where.name
