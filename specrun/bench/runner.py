@@ -153,9 +153,9 @@ def drop_unrunnable(planned: list, lm, notes: list[str]) -> list:
     return keep
 
 
-EAGER_DRAFT_NOTE = ("the 4-bit self-draft ran uncompiled: no package of it is cached for this model, specrun and CPU, "
-                    "and runs asking under 4,096 tokens do not build one; --compile-draft on builds it once (about a "
-                    "minute) and later runs load it in about a second")
+EAGER_DRAFT_NOTE = ("the quantized self-draft ran uncompiled: no package of it is cached for this model, specrun and "
+                    "CPU, and runs asking under 4,096 tokens do not build one; --compile-draft on builds it once (about "
+                    "a minute) and later runs load it in about a second")
 
 
 class _Stepped:
