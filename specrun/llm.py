@@ -187,7 +187,7 @@ class LLM:
 
     def _requests(self, prompts, sampling) -> list[tuple[list[int], SamplingParams, str | None]]:
         from specrun.jobs.inputs import check_unicode
-        from specrun.models.prompts import kind_of
+        from specrun.models.prompts import kind_of, user_message
 
         if isinstance(prompts, (str, dict)) or _one_prompt(prompts):
             prompts = [prompts]
@@ -213,7 +213,7 @@ class LLM:
                     raise ConfigError(str(e)) from None
             try:  # a bare prompt is the line {kind: prompt, seed: its params' seed}: the same checks, and p as is
                 if self.chat and isinstance(prompt, str):
-                    prompt = [{"role": "user", "content": prompt}]
+                    prompt = user_message(prompt)
                 line = prompt if isinstance(prompt, dict) else {kind_of(prompt): prompt, "seed": p.seed}
                 check_unicode(line)  # a file's lines are checked as read; a lone surrogate fails in the tokenizer
                 rec = v[p].record(line, i + 1)

@@ -53,9 +53,14 @@ def chat_prompt(tokenizer, text: str, chat: bool):
     """--chat: the text as one user message (for the chat template); else the text itself."""
     if not chat:
         return text
+    from specrun.models.prompts import user_message
+
     if not getattr(tokenizer, "chat_template", None):
         raise click.UsageError("--chat: this model's tokenizer has no chat template")
-    return [{"role": "user", "content": text}]
+    try:
+        return user_message(text)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def encode_prompt(lm, text: str, chat: bool) -> list[int]:

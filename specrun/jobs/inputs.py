@@ -28,7 +28,7 @@ from specrun.models.prompts import KINDS, check_text, check_token_ids, encode, m
 
 MAX_REPORTED = 20
 MAX_LINE_BYTES = 64 << 20  # a longer line is reported, never loaded (a binary file without newlines stays cheap)
-MAX_INT = 2**63 - 1  # an integer given for any override must fit in int64 (a float field converts it)
+MAX_INT = 2**63 - 1  # an integer given for a number (a float field converts it) must fit in int64
 OVERRIDES = {"max_tokens": int, "seed": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
              "penalty": float, "penalty_window": int}
 STOP_OVERRIDES = ("stop", "stop_token_ids")  # a line's own list replaces the job's (--stop, --stop-token-id)
@@ -149,7 +149,8 @@ class Validator:
                 value = obj[k]
                 if not _type_ok(value, kind):
                     raise ValueError(f"{k}={_short.repr(value)} must be {'an integer' if kind is int else 'a number'}")
-                if isinstance(value, int) and abs(value) > MAX_INT:
+                if kind is float and isinstance(value, int) and abs(value) > MAX_INT:  # integer fields: their own
+                    # bounds, named by SamplingParams below
                     raise ValueError(f"{k}={_short.repr(value)} is out of range (at most 2**63 - 1)")
                 overrides[k] = value
         overrides.update(self._stops(obj))

@@ -20,6 +20,13 @@ def check_text(s: str, where: str) -> None:
         raise ValueError(f"invalid unicode (lone surrogate {s[e.start]!r}) in {where}") from None
 
 
+def user_message(text: str) -> list[dict]:
+    """A text prompt as one user message for the chat template; ValueError for an empty text (as a bare prompt's)."""
+    if not text:
+        raise ValueError("prompt is empty")
+    return [{"role": "user", "content": text}]
+
+
 def kind_of(prompt) -> str:
     """Which KINDS a Python value is: str -> prompt, a list of {role, content} -> messages, a list of ints ->
     input_ids. ValueError for anything else."""

@@ -103,6 +103,10 @@ def test_errors_are_specrun_errors(llm):
         specrun.LLM("/no/such/model")
     with pytest.raises(specrun.PromptError, match="prompt 1: prompt is empty"):
         llm.generate(["fine", ""])
+    chat = specrun.LLM(llm.lm.path, drafting="ngram", chat=True)  # an empty text is refused as a user message too
+    for call in (lambda: chat.generate(""), lambda: chat.generate(["fine", ""]), lambda: chat.stream("")):
+        with pytest.raises(specrun.PromptError, match="prompt is empty"):
+            call()
     with pytest.raises(specrun.SpecrunError, match="exceeds the model context"):
         llm.generate("x", specrun.SamplingParams(max_tokens=10**6))
     with pytest.raises(specrun.ConfigError, match="bogus"):

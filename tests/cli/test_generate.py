@@ -80,3 +80,5 @@ def test_chat_flag_uses_the_chat_template(tiny_models):
     ids = lm.tokenizer.encode(text, add_special_tokens=False)
     ref = Engine(lm, EngineConfig(drafters=())).generate(ids, SamplingParams(max_tokens=8))
     assert json.loads(res.stdout)["token_ids"] == ref.token_ids
+    res = run("generate", "--model", path, "--chat", "--prompt", "", "--max-tokens", "8")  # as without --chat
+    assert res.exit_code == 1 and "prompt is empty" in res.output, res.output

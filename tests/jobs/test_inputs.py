@@ -68,7 +68,10 @@ BAD_LINES = [
     ("[" * 100000, "bad JSON: nested too deeply"),
     ('{"prompt": "a", "max_tokens": ' + "[" * 500 + "]" * 500 + "}", "max_tokens=[[[[[["),
     ('{"prompt": "a", "seed": ' + "7" * 5000 + "}", "bad JSON: Exceeds the limit (4300 digits) for integer string"),
-    ('{"prompt": "a", "top_k": 9223372036854775808}', "top_k=9223372036854775808 is out of range"),
+    # an integer field's own bound (not int64's)
+    ('{"prompt": "a", "top_k": 9223372036854775808}', "top_k=9223372036854775808 must be in [0, 2147483647]"),
+    ('{"prompt": "a", "max_tokens": 99999999999999999999999}', "must be in [1, 2147483647]"),
+    ('{"prompt": "a", "seed": 9223372036854775808}', "seed=9223372036854775808 must be in [0, 2**63)"),
     ('{"prompt": "a", "temperature": 1' + "0" * 400 + "}", "is out of range (at most 2**63 - 1)"),
     ('{"prompt": "a", "temperature": Infinity}', "temperature=inf must be a finite number"),
     ('{"prompt": "a", "top_p": NaN}', "top_p=nan must be a finite number"),
