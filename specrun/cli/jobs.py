@@ -166,7 +166,8 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
 
     Device, drafting and checkpoint flags that are given replace the job's for this run (the outputs stay the same;
     `specrun status --json` lists what each run used); those not given, and the attention backend, stay the job's.
-    A job submitted with --trust-remote-code resumes only with --trust-remote-code given again.
+    Ray flags (--actors, --concurrency, --address, ...) are this run's, with their own defaults. A job submitted with
+    --trust-remote-code resumes only with --trust-remote-code given again.
 
     \b
     Examples:
@@ -192,6 +193,12 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
                   checkpoint_every=checkpoint_every if "checkpoint_every" in given else None,
                   checkpoint_seconds=checkpoint_seconds if "checkpoint_seconds" in given else None,
                   concurrency=kw["concurrency"]))
+
+
+for _p in resume.params:  # submit's defaults are not a resume's: a flag left out keeps the job's value
+    if _p.name in {*ENGINE_FLAGS, "checkpoint_every", "checkpoint_seconds"}:
+        _p.show_default = False
+        _p.help = f"{_p.help} Default: the job's."
 
 
 @click.command()

@@ -271,3 +271,16 @@ def test_help_has_examples():
     for cmd in ("submit", "resume", "status", "export"):
         r = CliRunner().invoke(main, [cmd, "--help"])
         assert r.exit_code == 0 and "Examples:" in r.output and "specrun " + cmd in r.output
+
+
+def test_resumes_help_gives_the_jobs_settings_as_the_default_of_the_flags_that_keep_them():
+    """A flag left out of a resume keeps the job's value (device, drafting, checkpoints): its help says so and shows
+    no submit default; Ray flags are the run's and keep theirs."""
+    resume = {p.name: p for p in main.commands["resume"].params}
+    submit = {p.name: p for p in main.commands["submit"].params}
+    for name in ("checkpoint_every", "checkpoint_seconds", "draft", "trie_budget", "attention", "fixed_budget"):
+        assert not resume[name].show_default and resume[name].help.endswith("Default: the job's."), name
+        assert "Default: the job's." not in (submit[name].help or ""), name
+    assert submit["checkpoint_every"].show_default and resume["concurrency"].show_default
+    text = CliRunner().invoke(main, ["resume", "--help"]).output
+    assert "[default: 2048" not in text and "Default: the job's." in text
