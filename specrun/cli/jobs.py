@@ -198,7 +198,7 @@ def resume(ctx, job_dir, model_path, trust_remote_code, device, checkpoint_every
 for _p in resume.params:  # submit's defaults are not a resume's: a flag left out keeps the job's value
     if _p.name in {*ENGINE_FLAGS, "checkpoint_every", "checkpoint_seconds"}:
         _p.show_default = False
-        _p.help = f"{_p.help} Default: the job's."
+        _p.help = f"{_p.help or ''} Default: the job's.".strip()
 
 
 @click.command()
