@@ -4,8 +4,10 @@ thin layer over these). A run blocks in this process; failed prompts are recorde
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -131,7 +133,8 @@ def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPar
 
 
 class _prompts_file:
-    """A path as it is; a list of prompts as a temporary JSON-lines file (hashed by its bytes like any input)."""
+    """A path as it is; a list of prompts as a temporary JSON-lines file (hashed by its bytes like any input) named
+    by those bytes, so that the same list names the same default job (specrun-jobs/prompts-HASH) and resumes it."""
 
     def __init__(self, prompts):
         self.prompts, self.tmp = prompts, None
@@ -139,17 +142,24 @@ class _prompts_file:
     def __enter__(self) -> Path:
         if isinstance(self.prompts, (str, os.PathLike)):
             return Path(os.fspath(self.prompts))
+        from specrun.jobs.inputs import check_unicode
         from specrun.models.prompts import kind_of
 
         lines = [p if isinstance(p, dict) else {kind_of(p): p} for p in self.prompts]
-        self.tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="specrun-prompts-", delete=False)
-        with self.tmp as f:
-            f.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-        return Path(self.tmp.name)
+        for i, line in enumerate(lines):
+            try:
+                check_unicode(line)  # a file's lines are checked as read: UTF-8 cannot hold a lone surrogate
+            except ValueError as e:
+                raise PromptError(f"prompt {i}: {e}") from None
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        self.tmp = Path(tempfile.mkdtemp(prefix="specrun-prompts-"))
+        path = self.tmp / f"prompts-{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}.jsonl"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        return path
 
     def __exit__(self, *exc):
         if self.tmp is not None:
-            Path(self.tmp.name).unlink(missing_ok=True)
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def check_remote_code(manifest: dict, given: bool, job_root) -> bool:

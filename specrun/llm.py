@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.params import SamplingParams
-from specrun.errors import ConfigError, ModelError, PromptError
+from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError
 
 DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; its text is noise, not language."
 MAX_CONCURRENCY = 16  # prompts generated at once by default (actors/memory.py AUTO_MAX: per-step work grows with N)
@@ -83,15 +83,21 @@ class Stream:
         from specrun.models.text_deltas import TextDeltas
 
         self._llm, self._ids, self._params, self._id = llm, ids, params, pid
-        self._steps = llm._solo().steps(ids, params)
+        self._steps = llm._solo(free=True).steps(ids, params)
         self._text = TextDeltas(llm.tokenizer, params)
         self.output: Output | None = None
+        self._closed = False
 
     def __iter__(self) -> Iterator[Delta]:
         return self
 
+    def close(self) -> None:
+        """Stop the generation here (`output` stays None): the LLM is free again for generate() and stream()."""
+        self._closed = True
+        self._steps.close()
+
     def __next__(self) -> Delta:
-        if self.output is not None:
+        if self.output is not None or self._closed:
             raise StopIteration
         try:
             emitted = self._steps.send(None)  # None: go on (True would stop the generation)
@@ -161,7 +167,8 @@ class LLM:
                     self._batch = engine_for(self.lm, self.config, n, need, page_size_for(device, need))
             engine = self._batch
         order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))  # longest first
-        results = (engine if engine is not None else self._solo()).run([(i, reqs[i][0], reqs[i][1], []) for i in order])
+        results = (engine if engine is not None else self._solo(free=True)).run(
+            [(i, reqs[i][0], reqs[i][1], []) for i in order])
         return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]
 
     def stream(self, prompt, sampling: SamplingParams | None = None) -> Stream:
@@ -175,7 +182,12 @@ class LLM:
         return self._requests([prompt], None)[0][0]
 
     # -- internals -----------------------------------------------------------------------------------------------
-    def _solo(self):
+    def _solo(self, free: bool = False):
+        """The one-sequence engine; free: for a new generation, refused while a stream holds it (the generation
+        would step the stream's sequence too)."""
+        if free and self._engine is not None and self._engine.active:
+            raise SpecrunError("a stream of this LLM is still being read: read it to its end, or close() it, before "
+                               "another generate() or stream() on this LLM (or use a second LLM)")
         if self._engine is None:
             from specrun.decoding.engine import Engine
 

@@ -106,3 +106,19 @@ def test_ray_data_actors_take_this_machines_cores_between_them(model):
     for bad in ({"concurrency": 0}, {"batch_size": -1}, {"concurrency": True}):
         with pytest.raises(specrun.SpecrunError, match=next(iter(bad))):
             specrun.ray_data.processor(model, **bad)
+
+
+def test_the_same_list_of_prompts_submitted_again_finds_its_job(model, tmp_path, monkeypatch):
+    """A list of prompts without a job_dir names its job by the prompts (specrun-jobs/prompts-HASH): submitting the
+    same list again resumes that job (here: finds it done), another list makes another."""
+    monkeypatch.chdir(tmp_path)
+    params = specrun.SamplingParams(max_tokens=4)
+    first = specrun.submit(["hello", "world"], model=model, sampling=params, quiet=True)
+    again = specrun.submit(["hello", "world"], model=model, sampling=params, quiet=True)
+    assert first.created and not again.created and again.root == first.root
+    assert first.root.parent.name == "specrun-jobs" and first.root.name.startswith("prompts-")
+    from specrun.job import prepare  # what submit writes before it runs
+
+    assert prepare(["hello", "world!"], model=model, sampling=params).root != first.root
+    with pytest.raises(specrun.PromptError, match="prompt 1: invalid unicode"):
+        prepare(["fine", "a\ud800"], model=model, sampling=params)

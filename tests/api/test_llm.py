@@ -157,3 +157,20 @@ def test_the_command_line_starts_without_torch():
             "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.endswith("\n[]\n") and "Examples" in out
+
+
+def test_a_stream_being_read_holds_its_llm_until_it_ends_or_is_closed(llm, params):
+    """generate() or a second stream() while a stream is part-read would step the stream's sequence too: refused,
+    naming the stream; the stream then reads on to generate()'s tokens, and close() frees the LLM at once."""
+    want = llm.generate(PROMPTS[0], params)[0]
+    stream = llm.stream(PROMPTS[0], params)
+    first = next(stream)
+    for call in (lambda: llm.generate(PROMPTS[1], params), lambda: llm.stream(PROMPTS[1], params)):
+        with pytest.raises(specrun.SpecrunError, match="a stream of this LLM is still being read"):
+            call()
+    assert first.token_ids + [t for d in stream for t in d.token_ids] == want.token_ids == stream.output.token_ids
+    stream = llm.stream(PROMPTS[0], params)
+    next(stream)
+    stream.close()
+    assert list(stream) == [] and stream.output is None
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == want.token_ids
