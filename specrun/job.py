@@ -153,8 +153,8 @@ class _prompts_file:
                 raise PromptError(f"prompt {i}: {e}") from None
         text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
         self.tmp = Path(tempfile.mkdtemp(prefix="specrun-prompts-"))
-        path = self.tmp / f"prompts-{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}.jsonl"
-        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        path = self.tmp / f"prompts-{hashlib.sha256(text.encode()).hexdigest()[:12]}.jsonl"
+        path.write_text(text, encoding="utf-8")
         return path
 
     def __exit__(self, *exc):

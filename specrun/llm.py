@@ -83,7 +83,7 @@ class Stream:
         from specrun.models.text_deltas import TextDeltas
 
         self._llm, self._ids, self._params, self._id = llm, ids, params, pid
-        self._steps = llm._solo(free=True).steps(ids, params)
+        self._steps = llm._solo().steps(ids, params)
         self._text = TextDeltas(llm.tokenizer, params)
         self.output: Output | None = None
         self._closed = False
@@ -167,7 +167,7 @@ class LLM:
                     self._batch = engine_for(self.lm, self.config, n, need, page_size_for(device, need))
             engine = self._batch
         order = sorted(range(len(reqs)), key=lambda i: -(len(reqs[i][0]) + reqs[i][1].max_tokens))  # longest first
-        results = (engine if engine is not None else self._solo(free=True)).run(
+        results = (engine if engine is not None else self._solo()).run(
             [(i, reqs[i][0], reqs[i][1], []) for i in order])
         return [self._output(ids, p, results[i], pid) for i, (ids, p, pid) in enumerate(reqs)]
 
@@ -182,10 +182,10 @@ class LLM:
         return self._requests([prompt], None)[0][0]
 
     # -- internals -----------------------------------------------------------------------------------------------
-    def _solo(self, free: bool = False):
-        """The one-sequence engine; free: for a new generation, refused while a stream holds it (the generation
-        would step the stream's sequence too)."""
-        if free and self._engine is not None and self._engine.active:
+    def _solo(self):
+        """The one-sequence engine, for a new generation: refused while a stream holds it (the generation would step
+        the stream's sequence too)."""
+        if self._engine is not None and self._engine.active:
             raise SpecrunError("a stream of this LLM is still being read: read it to its end, or close() it, before "
                                "another generate() or stream() on this LLM (or use a second LLM)")
         if self._engine is None:

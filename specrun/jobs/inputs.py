@@ -149,8 +149,8 @@ class Validator:
                 value = obj[k]
                 if not _type_ok(value, kind):
                     raise ValueError(f"{k}={_short.repr(value)} must be {'an integer' if kind is int else 'a number'}")
-                if kind is float and isinstance(value, int) and abs(value) > MAX_INT:  # integer fields: their own
-                    # bounds, named by SamplingParams below
+                # an integer field's bound is SamplingParams' (named below); a number's, int64's
+                if kind is float and isinstance(value, int) and abs(value) > MAX_INT:
                     raise ValueError(f"{k}={_short.repr(value)} is out of range (at most 2**63 - 1)")
                 overrides[k] = value
         overrides.update(self._stops(obj))
