@@ -63,11 +63,12 @@ def test_gemv_f32_is_the_exact_product_within_float32_rounding(M, N, K, bias):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_row_does_not_depend_on_its_neighbours_or_the_threads(dtype):
-    x, w, b = _operands(19, 203, 576, True, seed=1, dtype=dtype)
+@pytest.mark.parametrize("M", [12, 19, 24, 25])  # bf16: one pass of 12, 16 + 3, 16 + 8, then passes of 8; float32: 8s
+def test_a_row_does_not_depend_on_its_neighbours_or_the_threads(dtype, M):
+    x, w, b = _operands(M, 203, 576, True, seed=1, dtype=dtype)
     packed = kernels.pack(w)
-    together = kernels.gemv(x, packed, 203, b)  # rows in passes of 8: 8 + 8 + 3
-    for m in range(19):
+    together = kernels.gemv(x, packed, 203, b)
+    for m in range(M):
         assert torch.equal(kernels.gemv(x[m : m + 1], packed, 203, b), together[m : m + 1])
     assert torch.equal(kernels.gemv(x[5:9], packed, 203, b), together[5:9])
     threads = torch.get_num_threads()

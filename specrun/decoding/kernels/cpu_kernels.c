@@ -10,7 +10,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define ROWS 8  /* input rows per pass over a column block: 8 accumulators (measured as fast as 16) */
+#define ROWS 8  /* input rows per pass over a column block: 8 accumulators */
+/* bf16 products of 9 .. WIDE_UPTO rows (a batched verify) take passes of up to 16 rows: the weights then stream from
+ * memory once rather than once per 8 rows, which pays while a pass is bound by memory more than by arithmetic; more rows
+ * run in passes of 8 from cache, where the 16-accumulator pass is the slower one (docs/benchmarks.md, stop 77) */
+#define WIDE_UPTO 24
 /* bytes ahead of the weight stream to prefetch, one line a step, for passes of 2 rows or more (a block's packed weights
  * are contiguous and the next block follows, so this runs into the next block; a prefetch never faults, even past the
  * end). Measured on smollm2's products against prefetching the whole next block at its start (which overfills L1:
@@ -34,8 +38,8 @@ static inline __attribute__((always_inline)) void store_block_bf16(const __m512 
 
 /* Weights are packed once (cpu_kernels.py pack) as [ceil(N/16), K/2, 16, 2]: block nb, pair kp holds, for its 16
  * output columns, the weights of inputs 2kp and 2kp+1, so one 64-byte load feeds vdpbf16ps against a broadcast pair of
- * x: the 16 lanes are 16 outputs and no horizontal sums are needed. Memory-bound up to 8 rows (the packed weights are
- * read once, PREFETCH bytes ahead from 2 rows on), compute-bound beyond (a block's later passes read it from cache). */
+ * x: the 16 lanes are 16 outputs and no horizontal sums are needed. Memory-bound for a few rows (the packed weights are
+ * read once, PREFETCH bytes ahead from 2 rows on), compute-bound for many (a block's later passes read it from cache). */
 #define BLOCK(MB)                                                                                                  \
     static inline __attribute__((always_inline)) void block_##MB(const uint16_t *x, const uint16_t *pb,            \
                                                                  const float *b, uint16_t *y, int N, int K, int n0) { \
@@ -53,6 +57,7 @@ static inline __attribute__((always_inline)) void store_block_bf16(const __m512 
         store_block_bf16(acc, MB, b, y, N, n0);                                                                    \
     }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12) BLOCK(13) BLOCK(14) BLOCK(15) BLOCK(16)
 
 /* One pass of up to ROWS input rows: PREFIX##_1 .. PREFIX##_8, the kernels for 1 .. 8 rows, on the same arguments */
 #define ROW_PASS(PREFIX, rows, ...)                                                                                \
@@ -67,20 +72,35 @@ BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
     default: PREFIX##_8(__VA_ARGS__);                                                                              \
     }
 
+/* Up to WIDE_ROWS rows in one pass, where PREFIX##_9 .. PREFIX##_16 exist (bf16) */
+#define WIDE_PASS(PREFIX, rows, ...)                                                                               \
+    switch (rows) {                                                                                                \
+    case 9: PREFIX##_9(__VA_ARGS__); break;                                                                        \
+    case 10: PREFIX##_10(__VA_ARGS__); break;                                                                      \
+    case 11: PREFIX##_11(__VA_ARGS__); break;                                                                      \
+    case 12: PREFIX##_12(__VA_ARGS__); break;                                                                      \
+    case 13: PREFIX##_13(__VA_ARGS__); break;                                                                      \
+    case 14: PREFIX##_14(__VA_ARGS__); break;                                                                      \
+    case 15: PREFIX##_15(__VA_ARGS__); break;                                                                      \
+    case 16: PREFIX##_16(__VA_ARGS__); break;                                                                      \
+    default: ROW_PASS(PREFIX, rows, __VA_ARGS__)                                                                   \
+    }
+
 /* The product over column blocks (split across threads) and passes of up to ROWS input rows; p: [ceil(N/16), K * 16]
  * weights packed by cpu_kernels.py; b float32 or NULL. One row goes to PREFIX##_row where that takes it (returns 1).
  * Every output is its column's products summed in k order, then the bias: a row's result does not depend on M or the
  * thread count. */
-#define GEMV(NAME, TYPE, PREFIX)                                                                                   \
+#define GEMV(NAME, TYPE, PREFIX, PASS, WIDE)                                                                     \
     void NAME(const TYPE *x, const TYPE *p, const float *b, TYPE *y, long M, long N, long K, int threads) {        \
         int blocks = (N + 15) / 16;                                                                                \
         if (M == 1 && PREFIX##_row(x, p, b, y, N, K, threads))                                                     \
             return;                                                                                                \
+        long step = M <= WIDE_UPTO ? WIDE : ROWS;                                                                  \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
         for (int nb = 0; nb < blocks; nb++) {                                                                      \
             const TYPE *pb = p + (long)nb * 16 * K;                                                                \
-            for (long m = 0; m < M; m += ROWS)                                                                     \
-                ROW_PASS(PREFIX, M - m < ROWS ? M - m : ROWS, x + m * K, pb, b, y + m * N, N, K, nb * 16)          \
+            for (long m = 0; m < M; m += step)                                                                     \
+                PASS(PREFIX, M - m < step ? M - m : step, x + m * K, pb, b, y + m * N, N, K, nb * 16)              \
         }                                                                                                          \
     }
 
@@ -116,7 +136,7 @@ static int block_row(const uint16_t *x, const uint16_t *p, const float *b, uint1
 
 /* y[M, N] = x[M, K] W^T (+ b[N]); x, y bfloat16 (as uint16), W packed as above (K even), each column's pairs in order,
  * rounded to bf16 once */
-GEMV(gemv_bf16, uint16_t, block)
+GEMV(gemv_bf16, uint16_t, block, WIDE_PASS, 16)
 
 /* float32 weights packed as [ceil(N/16), K, 16]: input k's weights for a block's 16 output columns are one 64-byte
  * load, multiplied into all rows' accumulators against a broadcast x[m, k] (fused multiply-add, k in order). */
@@ -144,7 +164,7 @@ static inline int block32_row(const float *x, const float *p, const float *b, fl
 }
 
 /* y[M, N] = x[M, K] W^T (+ b[N]) in float32, W packed as above, each column's products fused-added in k order */
-GEMV(gemv_f32, float, block32)
+GEMV(gemv_f32, float, block32, ROW_PASS, ROWS)
 
 /* exp of 16 floats: Cephes' expf polynomial after range reduction, scaled by 2^n (max relative error ~2 float32 ulp) */
 static inline __m512 exp16(__m512 x) {
