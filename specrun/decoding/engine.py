@@ -26,7 +26,7 @@ from specrun.decoding.forward.solo_runner import SoloRunner
 from specrun.decoding.stats import GenStats
 from specrun.decoding.step import Drafting, accept, draft, new_sequence, width_tuner
 from specrun.decoding.verify.params import SamplingParams
-from specrun.decoding.verify.sequence import Sequence
+from specrun.decoding.verify.sequence import Sequence, choose_together
 from specrun.decoding.verify.trie import Trie, build_trie
 from specrun.decoding.width.shadow import Shadow, shadowable
 from specrun.decoding.width.tuner import WidthTuner
@@ -182,10 +182,10 @@ class Engine:
 
     def _accept(self, live: list[_Active], budget: int, hidden: torch.Tensor, logits: torch.Tensor,
                 seconds: dict[str, float]) -> list[tuple[list[int], list[int]]]:
-        """Each sequence's accept on its rows (choose, walk, stop rules, commit, update its drafters), then the shared
-        recycling matrix learns every row. # hidden: [N, H], logits: [N, V] -> per sequence (accepted nodes, emitted)"""
+        """Each sequence's accept on its rows (choose, a kind of settings' rows at once; walk, stops, commit, drafters),
+        then the shared recycling matrix learns every row. # hidden: [N, H], logits: [N, V] -> (nodes, emitted) each"""
         accepted, offset = [], 0
-        for a in live:
+        for a, ours in zip(live, choose_together([a.st for a in live], [a.trie for a in live], logits)):
             for phase, sec in seconds.items():  # every sequence waited for the whole step's drafting and forward
                 a.stats.phase[phase] += sec  # (before accept records the step: its length bucket counts them)
             rows = slice(offset, offset + a.trie.size)
@@ -193,7 +193,7 @@ class Engine:
                 a.heads.see_queries(self.runner.queries, offset)
             offset += a.trie.size
             accepted.append(accept(a.st, a.trie, logits[rows], hidden[rows], a.kv, a.drafters, a.stats,
-                                   self.drafting.coupled, budget if self.names else 1, ("recycling",)))
+                                   self.drafting.coupled, budget if self.names else 1, ("recycling",), ours))
         if self.recycling is not None:  # the shared matrix learns every sequence's nodes at once, in their order
             self.recycling.learn_step(torch.cat([a.trie.tokens for a in live]), logits, plain=budget == 1)
         return accepted

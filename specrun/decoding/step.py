@@ -70,15 +70,16 @@ def draft(drafting: Drafting, drafters: list[Drafter], st: Sequence, budget: int
 
 
 def accept(st: Sequence, trie: Trie, logits: torch.Tensor, hidden: torch.Tensor, kv, drafters: list[Drafter],
-           stats: GenStats, coupled: list[int], width: int, learns_elsewhere: tuple[str, ...] = ()
-           ) -> tuple[list[int], list[int]]:
+           stats: GenStats, coupled: list[int], width: int, learns_elsewhere: tuple[str, ...] = (),
+           chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], list[int]]:
     """Walk the verified trie, apply the stop rules, commit the accepted nodes' K/V (kv.commit) and tokens, let the
     drafters learn (but those named in learns_elsewhere: the batch teaches its shared matrix once), record the step.
+    chosen: st.choose's result where the batch took it already (choose_together).
 
     # logits: [T, V], hidden: [T, H] (the trie's rows) -> (accepted path nodes beyond the root, emitted tokens)
     """
     with stats.time("walk"):
-        choice, processed = st.choose(trie, logits)
+        choice, processed = chosen if chosen is not None else st.choose(trie, logits)
         path = walk(trie, choice)
         emitted = st.stop_rules(choice[path].tolist())
         if not st.params.greedy:  # drafted mass vs what happened, and the likeliest-chain oracle

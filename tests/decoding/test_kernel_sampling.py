@@ -11,7 +11,7 @@ from specrun.decoding.engine import Engine, EngineConfig
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 from specrun.decoding.verify.penalty import PenaltyWindow
 from specrun.decoding.verify.sampling import SamplingParams, kernel_sampling, process_logits, sample, sample_in_kernel
-from specrun.decoding.verify.sequence import Sequence
+from specrun.decoding.verify.sequence import Sequence, choose_together
 from specrun.decoding.verify.trie import Draft, build_trie
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="this CPU has no AVX-512 BF16 (or no C compiler)")
@@ -147,3 +147,34 @@ def test_speculative_generation_through_the_kernel_equals_ar_and_the_torch_path(
     monkeypatch.setattr("specrun.decoding.verify.sampling.kernel_sampling", lambda *a: False)
     torch_spec = Engine(lm, spec_config).generate(prompt, p).token_ids
     assert spec == ar == torch_spec and len(spec) == 120
+
+
+def _sequence(rng, V, params):
+    """A sequence of params over a random committed text, and a random trie on its last token"""
+    n = rng.randrange(1, 40)
+    st = Sequence([rng.randrange(V) for _ in range(n)], params, [], vocab_size=V, eos_ids=(), tokenizer=None,
+                  max_context=4096, spare=64, device=torch.device("cpu"))
+    drafts = [Draft([st.root, *toks], list(range(-1, len(toks))), 0)
+              for toks in ([rng.randrange(V) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(1, 4)))]
+    return st, build_trie(st.root, drafts, rng.randrange(1, 12), torch.device("cpu"))
+
+
+@needs_kernels
+def test_choosing_for_several_sequences_at_once_equals_each_ones_choose():
+    """choose_together's one kernel call for the sequences of one kind of settings: each sequence's choose, tokens and
+    processed rows bit for bit; a sequence of settings no other shares is left to its own choose (None)."""
+    rng, g, V = random.Random(5), torch.Generator().manual_seed(5), 300
+    kinds = [dict(LONG_TEXT, penalty_window=8), dict(LONG_TEXT, penalty_window=30), dict(temperature=1.0, min_p=0.1)]
+    for trial in range(20):
+        settings = [kinds[0], kinds[1], kinds[0], kinds[2], kinds[2], dict(temperature=0.7, min_p=0.2)]
+        seqs, tries = zip(*[_sequence(rng, V, SamplingParams(seed=rng.randrange(2**63), **kw)) for kw in settings])
+        logits = torch.randn(sum(t.size for t in tries), V, generator=g) * 3
+        got, at = choose_together(list(seqs), list(tries), logits), 0
+        for i, (st, trie) in enumerate(zip(seqs, tries)):
+            ref = st.choose(trie, logits[at : at + trie.size])
+            at += trie.size
+            if i == 5:
+                assert got[i] is None
+            else:
+                assert_same(got[i], ref)
+

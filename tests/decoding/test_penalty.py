@@ -2,8 +2,10 @@
 
 import random
 
+import pytest
 import torch
 
+from specrun.decoding.verify import penalty
 from specrun.decoding.verify.penalty import PenaltyWindow
 from specrun.decoding.verify.trie import Draft, build_trie
 
@@ -23,7 +25,9 @@ def random_trie(rng, root, vocab, n_paths):
     return build_trie(root, drafts, 64, torch.device("cpu"))
 
 
-def test_presence_matches_brute_force_with_incremental_advance():
+@pytest.mark.parametrize("few", [0, 10**6])  # every trie's patches by torch's ops, or in Python integers
+def test_presence_matches_brute_force_with_incremental_advance(monkeypatch, few):
+    monkeypatch.setattr(penalty, "FEW_PATCHES", few)
     rng = random.Random(0)
     vocab = 12
     for window in (1, 3, 7, 50):

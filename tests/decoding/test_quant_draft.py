@@ -106,7 +106,7 @@ def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_to
     counts = (torch.rand(V, generator=gen) < 0.3).to(torch.int32)
     counts[coarse.float().argmax()] = 2  # the coarse best is penalised
     below = 4.0 if theta >= 1 else 20.0  # a raised best (~43 against ~30) leaves the others far below
-    out, n = cpu_kernels().rescore(coarse[None], counts, h[None], rows, theta, below)
+    out, (n,) = cpu_kernels().rescore(coarse[None], [counts], h[None], rows, [theta], [below])
     out, c = out[0], coarse.float()
     theta32 = torch.tensor(theta)  # float32, as the kernel computes (the sampling kernel's penalty)
     pen = torch.where(counts > 0, torch.where(c > 0, c / theta32, c * theta32), c)
@@ -114,8 +114,12 @@ def test_rescoring_gives_the_models_logits_for_every_token_near_the_penalised_to
     assert n == int(kept.sum()) and 1 < n < V
     assert torch.equal(out > float("-inf"), kept)
     assert ((out[kept].double() - exact[kept]).abs() <= 2 ** -8 * exact[kept].abs() + 1e-6).all()  # one rounding
-    plain, _ = cpu_kernels().rescore(coarse[None], None, h[None], rows, 1.0, 4.0)
+    plain, _ = cpu_kernels().rescore(coarse[None], [None], h[None], rows, [1.0], [4.0])
     assert torch.equal(plain[0] > float("-inf"), c >= c.max() - 4.0)
+    # rows of other counts, penalties and margins in one call: each row as it is alone
+    together, ns = cpu_kernels().rescore(torch.stack([coarse, coarse]), [None, counts], torch.stack([h, h]), rows,
+                                         [1.0, theta], [4.0, below])
+    assert torch.equal(together, torch.cat([plain, out[None]])) and ns[1] == n
 
 
 @needs_kernels
@@ -399,26 +403,27 @@ def test_torch_rescoring_gives_the_models_logits_for_every_token_near_the_penali
         counts[b][coarse[b].float().argmax()] = 2
     thetas, belows = [theta, theta, 1.1], [4.0 if theta >= 1 else 20.0, 3.0, 6.0]
     out = torch_rescore(coarse.float(), counts, h, rows, thetas, belows)
+    theirs = None if cpu_kernels() is None else cpu_kernels().rescore(coarse, counts, h, rows, thetas, belows)[0]
     for b in range(B):
         c = coarse[b].float()
         pen = c if counts[b] is None else torch.where(counts[b] > 0, torch.where(c > 0, c / thetas[b], c * thetas[b]), c)
         kept = pen >= pen.max() - belows[b]
         assert 1 < int(kept.sum()) < V and torch.equal(out[b] > float("-inf"), kept), b
         assert ((out[b, kept].double() - exact[b, kept]).abs() <= 2 ** -8 * exact[b, kept].abs() + 1e-6).all(), b
-        if cpu_kernels() is not None:
-            theirs, _ = cpu_kernels().rescore(coarse[b : b + 1], counts[b], h[b : b + 1], rows, thetas[b], belows[b])
-            assert torch.equal(theirs[0] > float("-inf"), kept)
+        if theirs is not None:
+            assert torch.equal(theirs[b] > float("-inf"), kept)
 
 
 def test_a_depths_rows_are_each_picked_as_alone():
-    """pick over several rows (sampled and greedy settings, a row without counts) gives each row the token ar_choice
-    gives it alone at its position, its own counts penalised: grouping rows by their settings changes no pick."""
+    """pick over several rows (sampled and greedy settings, seeds of their own, a row without counts) gives each row the
+    token ar_choice gives it alone at its position, its own counts penalised: grouping rows changes no pick."""
     gen = torch.Generator().manual_seed(3)
     V, B = 500, 6
     logits = torch.randn((B, V), generator=gen) * 3
     sampled = SamplingParams(max_tokens=8, temperature=1.0, min_p=0.05, penalty=3.0, seed=7)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, penalty=3.0)
-    params = [sampled, greedy, sampled, sampled, greedy, sampled]
+    other, third = dataclasses.replace(sampled, seed=8), dataclasses.replace(sampled, seed=9)
+    params = [sampled, greedy, sampled, other, greedy, third]
     counts = [(torch.rand(V, generator=gen) < 0.2).to(torch.int32) for _ in range(B)]
     for b in range(B):  # each row's best tokens counted: its penalty moves its pick
         counts[b][logits[b].topk(3).indices] = b % 2

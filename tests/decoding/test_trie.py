@@ -1,8 +1,10 @@
 """Trie merge, budget, tree mask, positions and the walk."""
 
+import random
+
 import torch
 
-from specrun.decoding.verify.trie import Draft, build_trie, merge_drafts, walk
+from specrun.decoding.verify.trie import Draft, build_trie, merge_drafts, walk, walk_levels
 
 
 def chain(root, toks, source=0):
@@ -53,6 +55,16 @@ def test_walk_follows_target_choices_and_stops_at_first_miss():
     assert walk(trie, choice).tolist() == [0]
     choice = torch.tensor([1, 2, 3, 8, 0, 0])
     assert walk(trie, choice).tolist() == [0, 1, 2, 3]
+
+
+def test_walk_in_python_equals_the_walk_by_levels():
+    """The CPU's walk (Python integers) and the accelerators' (tensor ops a depth) accept the same nodes."""
+    rng = random.Random(3)
+    for _ in range(200):
+        drafts = [chain(9, [rng.randrange(4) for _ in range(rng.randrange(1, 6))]) for _ in range(rng.randrange(1, 5))]
+        trie = build_trie(9, drafts, rng.randrange(1, 20), torch.device("cpu"))
+        choice = torch.tensor([rng.randrange(4) for _ in range(trie.size)])
+        assert walk(trie, choice).tolist() == walk_levels(trie, choice).tolist()
 
 
 def test_root_only_trie_is_plain_ar():

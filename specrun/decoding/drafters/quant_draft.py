@@ -24,7 +24,7 @@ from specrun.decoding.forward.cpu_layers import CpuLayers
 from specrun.decoding.forward.quant import quantizable, quantize
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 from specrun.decoding.verify.params import SamplingParams
-from specrun.decoding.verify.sampling import ar_choice, kernel_sampling
+from specrun.decoding.verify.sampling import ar_choice, kernel_group, kernel_sampling, sample_rows_in_kernel
 from specrun.decoding.verify.trie import Draft, DraftContext
 
 # the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the
@@ -98,8 +98,7 @@ class KernelForward:
             window.note_query(queries[0][:, b])
         h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
         coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [B, V]
-        return torch.cat([kernels.rescore(coarse[b : b + 1], n, h[b : b + 1], self.rows, theta, below)[0]
-                          for b, (n, theta, below) in enumerate(zip(counts, thetas, belows))])
+        return kernels.rescore(coarse, counts, h, self.rows, thetas, belows)[0]
 
 
 def quantized(decoder) -> KernelForward | TorchForward | None:
@@ -166,30 +165,47 @@ class KVView:
 def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], positions: list[int],
          ids: torch.Tensor | None = None) -> list[int]:
     """Each row's AR token from these logits at its position, the penalty on the tokens its counts count (> 0); ids:
-    the token of each column, ascending (a compiled draft's candidates: ar_choice's), else column j is token j. Rows of
-    the same settings go through one ar_choice (torch's ~30 small ops, not a row's each); a row our sampling kernel
-    takes goes alone (it reads one row's counts). Each row's pick is its own.
+    the token of each column, ascending (a compiled draft's candidates: ar_choice's), else column j is token j. Rows our
+    sampling kernel takes go through one call for every row of a kernel_group; the others through one ar_choice per
+    settings (torch's ~30 small ops, not a row's each). Each row's pick is its own.
 
     # logits: [B, C] float32, counts[b]: [V] int32 or None, ids: [B, C] long -> B token ids
     """
     out = [0] * len(params)
     groups: dict[object, list[int]] = {}
-    for b, p in enumerate(params):  # a kernel's row alone, else with the rows of its settings
-        groups.setdefault(b if ids is None and kernel_sampling(p, logits) else (p, counts[b] is None), []).append(b)
-    for rows in groups.values():
-        at, ns = None if ids is None else ids[rows], [counts[b] for b in rows]  # [G, C], the rows' counts
-
-        def present(at=at, ns=ns) -> torch.Tensor | None:  # [G, C] bool: built where torch's path runs
-            if ns[0] is None:
-                return None
-            return torch.stack([n > 0 for n in ns] if at is None else [n[a] > 0 for n, a in zip(ns, at)])
-
-        choice, _ = ar_choice(logits[rows], params[rows[0]], torch.tensor([positions[b] for b in rows],
-                                                                          device=logits.device),
-                              lambda ns=ns: (ns[0], None), present, at)
-        for b, token in zip(rows, choice.tolist()):
-            out[b] = token
+    for b, p in enumerate(params):
+        kernel = ids is None and kernel_sampling(p, logits)
+        groups.setdefault((_KERNEL, kernel_group(p)) if kernel else (p, counts[b] is None), []).append(b)
+    for key, rows in groups.items():
+        if key[0] is _KERNEL:
+            got = sample_rows_in_kernel(logits if len(rows) == len(params) else logits[rows], [counts[b] for b in rows],
+                                        None, [params[b] for b in rows], torch.tensor([positions[b] for b in rows]))
+            if got is not None:
+                for b, token in zip(rows, got[0].tolist()):
+                    out[b] = token
+                continue
+        for part in [[b] for b in rows] if key[0] is _KERNEL else [rows]:  # a NaN row: torch's path, row by row
+            for b, token in zip(part, _ar_pick(logits, counts, params, positions, ids, part)):
+                out[b] = token
     return out
+
+
+_KERNEL = object()  # pick's key of the rows our sampling kernel takes
+
+
+def _ar_pick(logits, counts, params, positions, ids, rows: list[int]) -> list[int]:
+    """ar_choice's tokens for rows of one SamplingParams (pick's torch path)."""
+    at, ns = None if ids is None else ids[rows], [counts[b] for b in rows]  # [G, C], the rows' counts
+
+    def present() -> torch.Tensor | None:  # [G, C] bool: built where torch's path runs
+        if ns[0] is None:
+            return None
+        return torch.stack([n > 0 for n in ns] if at is None else [n[a] > 0 for n, a in zip(ns, at)])
+
+    choice, _ = ar_choice(logits[rows], params[rows[0]], torch.tensor([positions[b] for b in rows],
+                                                                      device=logits.device),
+                          lambda: (ns[0], None), present, at)
+    return choice.tolist()
 
 
 def draft_chains(forward: KernelForward | TorchForward | RingForward, rows: list[tuple[object, DraftContext]], k: int,

@@ -1224,6 +1224,17 @@ long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const u
     return n;
 }
 
+/* rescore_bf16 for the B rows of a draft's depth (row b: coarse + b V, counts[b] (counts or counts[b] NULL: none), h +
+ * b H, thetas[b], belows[b], out + b V; n[b] rescored), the rows split across threads */
+void rescore_rows_bf16(const uint16_t *coarse, long B, long V, const int32_t *const *counts, const uint16_t *h,
+                       const uint16_t *W, long H, const float *thetas, const float *belows, float *out, long *n,
+                       int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long b = 0; b < B; b++)
+        n[b] = rescore_bf16(coarse + b * V, V, counts ? counts[b] : NULL, h + b * H, W, H, thetas[b], belows[b],
+                            out + b * V);
+}
+
 /* s = row l processed; present: counts[v] > 0 (counts NULL: no penalty) but where a patch (p with rows[p] == t) says
  * otherwise */
 static inline void process_row(const float *l, float *s, long t, long V, const int32_t *counts, const int64_t *rows,
@@ -1263,19 +1274,23 @@ static inline long sample_row(float *s, long V, float log_min_p, uint64_t key) {
     return pick < 0 ? 0 : pick;
 }
 
-/* out[t] = process_logits(logits[t]) for penalty theta on the tokens present (counts[v] > 0; counts NULL: no penalty),
- * overridden per row by the patches (rows[p], cols[p]) -> vals[p], with rows in [0, T) and cols in [0, V); temperature
- * temp (1: none) and min-p (scores below the row's max + log_min_p dropped to -inf); choice[t] = sample(): the kept token
- * with the largest score + noise of (positions[t], token) under the seed's 32-bit halves. Every float op is the one
- * torch does there (float32, in the same order). Returns 1 if a row has a NaN (the caller falls back to torch), else 0. */
-int sample_minp_f32(const float *logits, long T, long V, const int32_t *counts, const int64_t *rows,
+/* out[t] = process_logits(logits[t]) for penalty theta on the tokens row t's counts hold present (counts[t][v] > 0;
+ * counts NULL or counts[t] NULL: no penalty), overridden per row by the patches (rows[p], cols[p]) -> vals[p], with
+ * rows in [0, T) and cols in [0, V); temperature temp (1: none) and min-p (scores below the row's max + log_min_p
+ * dropped to -inf); choice[t] = sample(): the kept token with the largest score + noise of (positions[t], token) under
+ * row t's seed halves seeds[2t], seeds[2t + 1]. Rows are independent: several sequences' rows go in one call. Every
+ * float op is the one torch does there (float32, in the same order). Returns 1 if a row has a NaN (the caller falls
+ * back to torch), else 0. */
+int sample_minp_f32(const float *logits, long T, long V, const int32_t *const *counts, const int64_t *rows,
                     const int64_t *cols, const uint8_t *vals, long n_patches, float theta, float temp, float log_min_p,
-                    uint64_t s_lo, uint64_t s_hi, const int64_t *positions, float *out, int64_t *choice, int threads) {
+                    const uint64_t *seeds, const int64_t *positions, float *out, int64_t *choice, int threads) {
     int bad = 0;
     _Pragma("omp parallel for schedule(static) num_threads(threads) reduction(|:bad)")
     for (long t = 0; t < T; t++) {
-        process_row(logits + t * V, out + t * V, t, V, counts, rows, cols, vals, n_patches, theta, temp);
-        choice[t] = sample_row(out + t * V, V, log_min_p, mix32(mix32((uint64_t)positions[t] ^ s_lo) ^ s_hi));
+        process_row(logits + t * V, out + t * V, t, V, counts ? counts[t] : NULL, rows, cols, vals, n_patches, theta,
+                    temp);
+        uint64_t key = mix32(mix32((uint64_t)positions[t] ^ seeds[2 * t]) ^ seeds[2 * t + 1]);
+        choice[t] = sample_row(out + t * V, V, log_min_p, key);
         bad |= choice[t] < 0;
     }
     return bad;

@@ -49,10 +49,10 @@ class CpuKernels:
         self._rms_norm = lib.rms_norm_rows_bf16
         self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._rms_norm.restype = None
-        self._rescore = lib.rescore_bf16
-        self._rescore.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_long]
-                                  + [ctypes.c_float] * 2 + [ctypes.c_void_p])
-        self._rescore.restype = ctypes.c_long
+        self._rescore = lib.rescore_rows_bf16
+        self._rescore.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3
+                                  + [ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_int])
+        self._rescore.restype = None
         # called by cpu_layers.CpuLayers, which owns their arguments
         self.decode_layers = {torch.bfloat16: lib.decode_layers_bf16, torch.float32: lib.decode_layers_f32}
         self.decode_layers_q4 = lib.decode_layers_q4  # bf16 activations over quant.py's 4-bit weights
@@ -69,8 +69,7 @@ class CpuKernels:
         self._topk.restype = ctypes.c_int
         self._sample = lib.sample_minp_f32
         self._sample.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 4
-                                 + [ctypes.c_long] + [ctypes.c_float] * 3 + [ctypes.c_uint64] * 2
-                                 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+                                 + [ctypes.c_long] + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int])
         self._sample.restype = ctypes.c_int
         self._draft_level = lib.draft_level_f32
         self._draft_level.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 2
@@ -122,23 +121,25 @@ class CpuKernels:
         self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
-    def rescore(self, coarse: torch.Tensor, counts: torch.Tensor | None, h: torch.Tensor, rows: torch.Tensor,
-                theta: float, below: float) -> tuple[torch.Tensor, int]:
-        """h's bf16-rounded logits (h . rows[v]) for the tokens whose penalised coarse logit (theta on the tokens
-        counted) is at least the best one less `below`, -inf for the rest (rescore_bf16), and how many there are.
+    def rescore(self, coarse: torch.Tensor, counts: list, h: torch.Tensor, rows: torch.Tensor, thetas: list[float],
+                belows: list[float]) -> tuple[torch.Tensor, list[int]]:
+        """Row b: h[b]'s bf16-rounded logits (h[b] . rows[v]) for the tokens whose penalised coarse logit (thetas[b] on
+        the tokens counts[b] counts; None: no penalty) is at least its best one less belows[b], -inf for the rest
+        (rescore_bf16), and how many there are.
 
-        # coarse: [1, V] bf16, counts: [V] int32 or None, h: [1, H] bf16, rows: [V, H] bf16 -> [1, V] float32
+        # coarse: [B, V] bf16, counts[b]: [V] int32 or None, h: [B, H] bf16, rows: [V, H] bf16 -> [B, V] float32, B ints
         """
         coarse, h = coarse.contiguous(), h.contiguous()
-        (_, V), (_, H) = coarse.shape, h.shape
+        (B, V), (_, H) = coarse.shape, h.shape
         assert coarse.dtype == h.dtype == rows.dtype == torch.bfloat16 and rows.is_contiguous() \
-            and coarse.shape[0] == h.shape[0] == 1 and rows.shape == (V, H) and H % 32 == 0 and theta > 0.0, \
-            (coarse.shape, h.shape, rows.shape, theta)
-        assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
-        out = torch.empty((1, V), dtype=torch.float32)
-        n = self._rescore(coarse.data_ptr(), V, ptr(counts), h.data_ptr(), rows.data_ptr(), H, theta, below,
-                          out.data_ptr())
-        return out, n
+            and h.shape[0] == B == len(counts) == len(thetas) == len(belows) and rows.shape == (V, H) \
+            and H % 32 == 0 and all(t > 0.0 for t in thetas), (coarse.shape, h.shape, rows.shape, thetas)
+        assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in counts)
+        out, n = torch.empty((B, V), dtype=torch.float32), (ctypes.c_long * B)()
+        table = None if all(c is None for c in counts) else (ctypes.c_void_p * B)(*[ptr(c) for c in counts])
+        self._rescore(coarse.data_ptr(), B, V, table, h.data_ptr(), rows.data_ptr(), H, (ctypes.c_float * B)(*thetas),
+                      (ctypes.c_float * B)(*belows), out.data_ptr(), n, torch.get_num_threads())
+        return out, list(n)
 
     def gemv_q4(self, x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b) in bf16 for the 4-bit W (quant.py) of n rows; float32 accumulation, rounded to bf16 once.
@@ -201,31 +202,38 @@ class CpuKernels:
         short = self._topk(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
         return None if short else out
 
-    def sample_minp(self, logits: torch.Tensor, counts: torch.Tensor | None, patches: Patches | None, theta: float,
-                    temperature: float, min_p: float, seed: int, positions: torch.Tensor
+    def sample_minp(self, logits: torch.Tensor, counts: torch.Tensor | list | None, patches: Patches | None,
+                    theta: float, temperature: float, min_p: float, seed: int | list[int], positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """sampling.py's process_logits then sample for penalty theta on the tokens counted present (counts > 0,
         overridden per row by patches; counts None: no penalty), temperature and min-p, in one pass a row; None if a
-        row has a NaN.
+        row has a NaN. counts and seed: one for every row, or a list with each row's (several sequences in one call).
 
-        # logits: [T, V] float32, counts: [V] int32 or None, positions: [T] long -> choice [T] long, processed [T, V]
+        # logits: [T, V] float32, counts: [V] int32 or None (or T of them), positions: [T] long -> choice [T] long,
+        # processed [T, V]
         """
         logits, positions = logits.contiguous(), positions.contiguous()
         T, V = logits.shape
         assert logits.dtype == torch.float32 and positions.dtype == torch.long and positions.shape == (T,)
-        assert counts is None or (counts.dtype == torch.int32 and counts.is_contiguous() and counts.shape == (V,))
+        each = counts if isinstance(counts, list) else [counts] * T
+        seeds = seed if isinstance(seed, list) else [seed] * T
+        assert len(each) == len(seeds) == T
+        assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in each)
+        table = None
+        if any(c is not None for c in each):
+            table = (ctypes.c_void_p * T)(*[None if c is None else c.data_ptr() for c in each])
+        halves = (ctypes.c_uint64 * (2 * T))(*[h for s in seeds for h in (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)])
         rows = cols = vals = None
-        if counts is not None and patches is not None and patches[0].numel():
+        if table is not None and patches is not None and patches[0].numel():
             rows, cols, vals = (patches[0].contiguous(), patches[1].contiguous(),
                                 patches[2].to(torch.uint8).contiguous())
             assert rows.dtype == cols.dtype == torch.long and rows.shape == cols.shape == vals.shape
             assert 0 <= int(rows.min()) and int(rows.max()) < T and 0 <= int(cols.min()) and int(cols.max()) < V
         out = torch.empty_like(logits)
         choice = torch.empty(T, dtype=torch.long)
-        bad = self._sample(logits.data_ptr(), T, V, ptr(counts), ptr(rows), ptr(cols), ptr(vals),
-                           0 if rows is None else rows.numel(), theta, temperature, math.log(min_p),
-                           seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, positions.data_ptr(), out.data_ptr(),
-                           choice.data_ptr(), torch.get_num_threads())
+        bad = self._sample(logits.data_ptr(), T, V, table, ptr(rows), ptr(cols), ptr(vals),
+                           0 if rows is None else rows.numel(), theta, temperature, math.log(min_p), halves,
+                           positions.data_ptr(), out.data_ptr(), choice.data_ptr(), torch.get_num_threads())
         return None if bad else (choice, out)
 
     def draft_level(self, z: torch.Tensor, present: torch.Tensor | None, vocab: torch.Tensor, theta: float,

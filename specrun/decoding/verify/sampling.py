@@ -207,3 +207,19 @@ def sample_in_kernel(logits: torch.Tensor, counts: torch.Tensor | None, patches:
     penalty = p.uses_penalty and counts is not None
     return cpu_kernels().sample_minp(logits, counts if penalty else None, patches, p.penalty, p.temperature, p.min_p,
                                      p.seed, positions)
+
+
+def kernel_group(p: SamplingParams) -> tuple[float, float, float]:
+    """What rows sampled in one sample_rows_in_kernel call share: the penalty, temperature and min-p (not the seed)."""
+    return p.penalty, p.temperature, p.min_p
+
+
+def sample_rows_in_kernel(logits: torch.Tensor, counts: list, patches: Patches | None, params: list[SamplingParams],
+                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """sample_in_kernel for rows of several sequences in one call: row t under params[t] (all of one kernel_group,
+    each its own seed) and counts[t] ([V] int32, or None: no penalty); the patches' rows index these rows. None if a
+    row has a NaN. # logits: [T, V], positions: [T] long -> ([T] long, [T, V])"""
+    p = params[0]
+    each = [c if q.uses_penalty else None for c, q in zip(counts, params)]
+    return cpu_kernels().sample_minp(logits, each, patches, p.penalty, p.temperature, p.min_p, [q.seed for q in params],
+                                     positions)

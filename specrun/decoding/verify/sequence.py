@@ -9,7 +9,7 @@ import torch
 
 from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.penalty import PenaltyWindow
-from specrun.decoding.verify.sampling import ar_choice
+from specrun.decoding.verify.sampling import ar_choice, kernel_group, kernel_sampling, sample_rows_in_kernel
 from specrun.decoding.verify.stops import StopMatcher
 from specrun.decoding.verify.trie import DraftContext, Trie
 
@@ -109,3 +109,40 @@ class Sequence:
         if len(out) >= params.max_tokens:
             return "length"
         return None
+
+
+def choose_together(seqs: list[Sequence], tries: list[Trie], logits: torch.Tensor) -> list[tuple | None]:
+    """Sequence.choose for several sequences whose tries' rows follow each other in logits: the rows our sampling
+    kernel takes in one call for every sequence of a kernel_group; None for a sequence left to its own choose (other
+    settings, alone in its group, or a NaN row). The same tokens and processed rows as choose, sequence by sequence.
+
+    # logits: [N, V] (tries[0]'s rows first) -> per sequence (choice [T] long, processed [T, V]) or None
+    """
+    offsets, groups = [0], {}
+    for i, (st, trie) in enumerate(zip(seqs, tries)):
+        offsets.append(offsets[-1] + trie.size)
+        if kernel_sampling(st.params, logits):
+            groups.setdefault(kernel_group(st.params), []).append(i)
+    out: list[tuple | None] = [None] * len(seqs)
+    for members in (m for m in groups.values() if len(m) > 1):
+        rows = [r for i in members for r in range(offsets[i], offsets[i + 1])]
+        counts, params, positions, patches, done = [], [], [], [], 0
+        for i in members:
+            st, trie, w = seqs[i], tries[i], seqs[i].window
+            counts += [None if w is None else w.counts] * trie.size
+            params += [st.params] * trie.size
+            positions.append(trie.depths + st.n)
+            if w is not None:
+                r, c, v = w.patches(st.seq, st.n, trie)
+                patches.append((r + done, c, v))
+            done += trie.size
+        merged = tuple(torch.cat(part) for part in zip(*patches)) if patches else None
+        got = sample_rows_in_kernel(logits if len(rows) == logits.shape[0] else logits[rows], counts, merged, params,
+                                    torch.cat(positions))
+        if got is not None:
+            at = 0
+            for i in members:
+                T = tries[i].size
+                out[i] = got[0][at : at + T], got[1][at : at + T]
+                at += T
+    return out

@@ -81,20 +81,27 @@ def merge_drafts(root: int, drafts: list[Draft], budget: int) -> tuple[list[int]
 def build_trie(root: int, drafts: list[Draft], budget: int, device: torch.device) -> Trie:
     tok, par, dep, src = merge_drafts(root, drafts, budget)
     T, Dm = len(tok), max(dep)
-    tokens = torch.tensor(tok, dtype=torch.long, device=device)
-    parents = torch.tensor(par, dtype=torch.long, device=device)
-    depths = torch.tensor(dep, dtype=torch.long, device=device)
-    ancestors = torch.eye(T, dtype=torch.bool, device=device)
-    path_tokens = torch.full((T, Dm), -1, dtype=torch.long, device=device)
-    levels = []
-    for d in range(1, Dm + 1):  # one vectorised pass per depth, parents are complete before children
-        idx = (depths == d).nonzero().squeeze(1)
-        levels.append(idx)
-        ancestors[idx] |= ancestors[parents[idx]]
-        path_tokens[idx] = path_tokens[parents[idx]]
-        path_tokens[idx, d - 1] = tokens[idx]
-    sources = torch.tensor(src, dtype=torch.long, device=device)
-    return Trie(tokens, parents, depths, ancestors, path_tokens, sources, tuple(levels))
+    # node by node in Python lists (parents before children), then a tensor each: a trie is small and torch ops a depth
+    # cost more
+    ancestors: list[list[bool]] = []
+    paths: list[list[int]] = []
+    levels: list[list[int]] = [[] for _ in range(Dm)]
+    for i, (p, d) in enumerate(zip(par, dep)):
+        row = ancestors[p].copy() if p >= 0 else [False] * T
+        row[i] = True
+        ancestors.append(row)
+        path = paths[p].copy() if p >= 0 else [-1] * Dm
+        if d:
+            path[d - 1] = tok[i]
+            levels[d - 1].append(i)
+        paths.append(path)
+
+    def longs(x) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    path_tokens = longs(paths) if Dm else torch.empty((T, 0), dtype=torch.long, device=device)
+    return Trie(longs(tok), longs(par), longs(dep), torch.tensor(ancestors, dtype=torch.bool, device=device),
+                path_tokens, longs(src), tuple(longs(level) for level in levels))
 
 
 def walk(trie: Trie, choice: torch.Tensor) -> torch.Tensor:
@@ -102,6 +109,16 @@ def walk(trie: Trie, choice: torch.Tensor) -> torch.Tensor:
 
     # choice: [T] long, the target's token after each node -> [A] long node indices of the accepted path
     """
+    if choice.device.type == "cpu":  # node by node in Python integers: ~4 torch ops a depth cost more on the CPU
+        want, ok = choice.tolist(), [True]
+        for token, parent in zip(trie.tokens.tolist()[1:], trie.parents.tolist()[1:]):  # parents before children
+            ok.append(ok[parent] and token == want[parent])
+        return torch.tensor([node for node, yes in enumerate(ok) if yes], dtype=torch.long)
+    return walk_levels(trie, choice)
+
+
+def walk_levels(trie: Trie, choice: torch.Tensor) -> torch.Tensor:
+    """walk() a depth at a time in tensor ops (an accelerator's tensors stay where they are)."""
     accepted = torch.zeros(trie.size, dtype=torch.bool, device=choice.device)
     accepted[0] = True
     for idx in trie.levels:
