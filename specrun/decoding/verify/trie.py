@@ -154,7 +154,7 @@ def likeliest(processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor)
 
     # processed: [T, V], choice: [T] long, path: [A] long -> [A] bools
     """
-    return (argmax_rows(processed[path]) == choice[path]).tolist()
+    return (argmax_rows(processed)[path] == choice[path]).tolist()  # every row: no copy of the path's rows
 
 
 def record_sampled(stats, trie: Trie, processed: torch.Tensor, choice: torch.Tensor, path: torch.Tensor, emitted: int,
