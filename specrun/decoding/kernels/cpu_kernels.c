@@ -72,7 +72,7 @@ BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12) BLOCK(13) BLOCK(14) BLOCK(15) BLOCK(16)
     default: PREFIX##_8(__VA_ARGS__);                                                                              \
     }
 
-/* Up to WIDE_ROWS rows in one pass, where PREFIX##_9 .. PREFIX##_16 exist (bf16) */
+/* One pass of up to 16 input rows, where PREFIX##_9 .. PREFIX##_16 exist (bf16) */
 #define WIDE_PASS(PREFIX, rows, ...)                                                                               \
     switch (rows) {                                                                                                \
     case 9: PREFIX##_9(__VA_ARGS__); break;                                                                        \
@@ -86,8 +86,9 @@ BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12) BLOCK(13) BLOCK(14) BLOCK(15) BLOCK(16)
     default: ROW_PASS(PREFIX, rows, __VA_ARGS__)                                                                   \
     }
 
-/* The product over column blocks (split across threads) and passes of up to ROWS input rows; p: [ceil(N/16), K * 16]
- * weights packed by cpu_kernels.py; b float32 or NULL. One row goes to PREFIX##_row where that takes it (returns 1).
+/* The product over column blocks (split across threads) and passes (PASS) of up to WIDE input rows where M <=
+ * WIDE_UPTO, else ROWS; p: [ceil(N/16), K * 16] weights packed by cpu_kernels.py; b float32 or NULL. One row goes to
+ * PREFIX##_row where that takes it (returns 1).
  * Every output is its column's products summed in k order, then the bias: a row's result does not depend on M or the
  * thread count. */
 #define GEMV(NAME, TYPE, PREFIX, PASS, WIDE)                                                                     \

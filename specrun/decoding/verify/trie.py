@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specrun.decoding.kernels.cpu_kernels import argmax_rows
@@ -81,27 +82,23 @@ def merge_drafts(root: int, drafts: list[Draft], budget: int) -> tuple[list[int]
 def build_trie(root: int, drafts: list[Draft], budget: int, device: torch.device) -> Trie:
     tok, par, dep, src = merge_drafts(root, drafts, budget)
     T, Dm = len(tok), max(dep)
-    # node by node in Python lists (parents before children), then a tensor each: a trie is small and torch ops a depth
-    # cost more
-    ancestors: list[list[bool]] = []
-    paths: list[list[int]] = []
+    # node by node in numpy rows (parents before children), then a tensor each: torch ops a depth cost more
+    ancestors, paths = np.zeros((T, T), dtype=bool), np.full((T, Dm), -1, dtype=np.int64)
     levels: list[list[int]] = [[] for _ in range(Dm)]
-    for i, (p, d) in enumerate(zip(par, dep)):
-        row = ancestors[p].copy() if p >= 0 else [False] * T
-        row[i] = True
-        ancestors.append(row)
-        path = paths[p].copy() if p >= 0 else [-1] * Dm
-        if d:
-            path[d - 1] = tok[i]
-            levels[d - 1].append(i)
-        paths.append(path)
+    ancestors[0, 0] = True
+    for i in range(1, T):
+        p, d = par[i], dep[i]
+        ancestors[i] = ancestors[p]
+        ancestors[i, i] = True
+        paths[i] = paths[p]
+        paths[i, d - 1] = tok[i]
+        levels[d - 1].append(i)
 
     def longs(x) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    path_tokens = longs(paths) if Dm else torch.empty((T, 0), dtype=torch.long, device=device)
-    return Trie(longs(tok), longs(par), longs(dep), torch.tensor(ancestors, dtype=torch.bool, device=device),
-                path_tokens, longs(src), tuple(longs(level) for level in levels))
+    return Trie(longs(tok), longs(par), longs(dep), torch.from_numpy(ancestors).to(device),
+                torch.from_numpy(paths).to(device), longs(src), tuple(longs(level) for level in levels))
 
 
 def walk(trie: Trie, choice: torch.Tensor) -> torch.Tensor:
