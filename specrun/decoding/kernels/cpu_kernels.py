@@ -219,9 +219,7 @@ class CpuKernels:
         seeds = seed if isinstance(seed, list) else [seed] * T
         assert len(each) == len(seeds) == T
         assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in each)
-        table = None
-        if any(c is not None for c in each):
-            table = (ctypes.c_void_p * T)(*[None if c is None else c.data_ptr() for c in each])
+        table = (ctypes.c_void_p * T)(*[ptr(c) for c in each]) if any(c is not None for c in each) else None
         halves = (ctypes.c_uint64 * (2 * T))(*[h for s in seeds for h in (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)])
         rows = cols = vals = None
         if table is not None and patches is not None and patches[0].numel():
@@ -229,8 +227,7 @@ class CpuKernels:
                                 patches[2].to(torch.uint8).contiguous())
             assert rows.dtype == cols.dtype == torch.long and rows.shape == cols.shape == vals.shape
             assert 0 <= int(rows.min()) and int(rows.max()) < T and 0 <= int(cols.min()) and int(cols.max()) < V
-        out = torch.empty_like(logits)
-        choice = torch.empty(T, dtype=torch.long)
+        out, choice = torch.empty_like(logits), torch.empty(T, dtype=torch.long)
         bad = self._sample(logits.data_ptr(), T, V, table, ptr(rows), ptr(cols), ptr(vals),
                            0 if rows is None else rows.numel(), theta, temperature, math.log(min_p), halves,
                            positions.data_ptr(), out.data_ptr(), choice.data_ptr(), torch.get_num_threads())
