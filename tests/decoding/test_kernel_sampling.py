@@ -177,4 +177,3 @@ def test_choosing_for_several_sequences_at_once_equals_each_ones_choose():
                 assert got[i] is None
             else:
                 assert_same(got[i], ref)
-
