@@ -172,25 +172,26 @@ def pick(logits: torch.Tensor, counts: list, params: list[SamplingParams], posit
     # logits: [B, C] float32, counts[b]: [V] int32 or None, ids: [B, C] long -> B token ids
     """
     out = [0] * len(params)
-    groups: dict[object, list[int]] = {}
+    kernel: dict[tuple, list[int]] = {}  # rows our kernel takes, by kernel_group
+    torch_rows: dict[tuple, list[int]] = {}  # the others, by settings
     for b, p in enumerate(params):
-        kernel = ids is None and kernel_sampling(p, logits)
-        groups.setdefault((_KERNEL, kernel_group(p)) if kernel else (p, counts[b] is None), []).append(b)
-    for key, rows in groups.items():
-        if key[0] is _KERNEL:
-            got = sample_rows_in_kernel(logits if len(rows) == len(params) else logits[rows], [counts[b] for b in rows],
-                                        None, [params[b] for b in rows], torch.tensor([positions[b] for b in rows]))
-            if got is not None:
-                for b, token in zip(rows, got[0].tolist()):
-                    out[b] = token
-                continue
-        for part in [[b] for b in rows] if key[0] is _KERNEL else [rows]:  # a NaN row: torch's path, row by row
-            for b, token in zip(part, _ar_pick(logits, counts, params, positions, ids, part)):
+        if ids is None and kernel_sampling(p, logits):
+            kernel.setdefault(kernel_group(p), []).append(b)
+        else:
+            torch_rows.setdefault((p, counts[b] is None), []).append(b)
+    parts = list(torch_rows.values())
+    for rows in kernel.values():
+        got = sample_rows_in_kernel(logits if len(rows) == len(params) else logits[rows], [counts[b] for b in rows],
+                                    None, [params[b] for b in rows], torch.tensor([positions[b] for b in rows]))
+        if got is None:  # a NaN row: torch's path, row by row
+            parts += [[b] for b in rows]
+        else:
+            for b, token in zip(rows, got[0].tolist()):
                 out[b] = token
+    for rows in parts:
+        for b, token in zip(rows, _ar_pick(logits, counts, params, positions, ids, rows)):
+            out[b] = token
     return out
-
-
-_KERNEL = object()  # pick's key of the rows our sampling kernel takes
 
 
 def _ar_pick(logits, counts, params, positions, ids, rows: list[int]) -> list[int]:

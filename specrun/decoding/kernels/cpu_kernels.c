@@ -1199,7 +1199,7 @@ static inline __m512 penalised16(const uint16_t *coarse, const int32_t *counts, 
  * with counts > 0; counts NULL: none) is at least the best one less `below`, -inf for the rest; returns how many were
  * rescored. W: [V, H] bf16 rows, H % 32 == 0. Only tokens near the top can be drafted (min-p): their exact rows cost
  * ~1% of an 8-bit head's 31 MB. */
-long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const uint16_t *h, const uint16_t *W, long H,
+static long rescore_bf16(const uint16_t *coarse, long V, const int32_t *counts, const uint16_t *h, const uint16_t *W, long H,
                   float theta, float below, float *out) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (long v = 0; v < V; v += 16) {

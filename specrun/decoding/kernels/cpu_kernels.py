@@ -202,21 +202,17 @@ class CpuKernels:
         short = self._topk(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr(), torch.get_num_threads())
         return None if short else out
 
-    def sample_minp(self, logits: torch.Tensor, counts: torch.Tensor | list | None, patches: Patches | None,
-                    theta: float, temperature: float, min_p: float, seed: int | list[int], positions: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """sampling.py's process_logits then sample for penalty theta on the tokens counted present (counts > 0,
-        overridden per row by patches; counts None: no penalty), temperature and min-p, in one pass a row; None if a
-        row has a NaN. counts and seed: one for every row, or a list with each row's (several sequences in one call).
+    def sample_minp(self, logits: torch.Tensor, counts: list, patches: Patches | None, theta: float, temperature: float,
+                    min_p: float, seeds: list[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """sampling.py's process_logits then sample for penalty theta on the tokens each row's counts count present
+        (counts[t] > 0, overridden per row by patches; None: no penalty), temperature and min-p, under each row's seed,
+        in one pass a row; None if a row has a NaN.
 
-        # logits: [T, V] float32, counts: [V] int32 or None (or T of them), positions: [T] long -> choice [T] long,
-        # processed [T, V]
+        # logits: [T, V] float32, counts[t]: [V] int32 or None, positions: [T] long -> choice [T] long, processed [T, V]
         """
-        logits, positions = logits.contiguous(), positions.contiguous()
+        logits, positions, each = logits.contiguous(), positions.contiguous(), counts
         T, V = logits.shape
         assert logits.dtype == torch.float32 and positions.dtype == torch.long and positions.shape == (T,)
-        each = counts if isinstance(counts, list) else [counts] * T
-        seeds = seed if isinstance(seed, list) else [seed] * T
         assert len(each) == len(seeds) == T
         assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in each)
         table = (ctypes.c_void_p * T)(*[ptr(c) for c in each]) if any(c is not None for c in each) else None

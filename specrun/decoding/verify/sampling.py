@@ -204,9 +204,8 @@ def sample_in_kernel(logits: torch.Tensor, counts: torch.Tensor | None, patches:
 
     # logits: [T, V], counts: [V] int32 or None, positions: [T] long -> ([T] long, [T, V])
     """
-    penalty = p.uses_penalty and counts is not None
-    return cpu_kernels().sample_minp(logits, counts if penalty else None, patches, p.penalty, p.temperature, p.min_p,
-                                     p.seed, positions)
+    T = logits.shape[0]
+    return sample_rows_in_kernel(logits, [counts] * T, patches, [p] * T, positions)
 
 
 def kernel_group(p: SamplingParams) -> tuple[float, float, float]:

@@ -64,11 +64,15 @@ class Sequence:
     def choose(self, trie: Trie, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's token after every node, exactly as AR would pick it there. -> [T] long, processed [T, V]"""
         # the token after a depth-d node is generated token len(out)+d at absolute position n+d
-        positions = trie.depths + self.n
         w = self.window
-        return ar_choice(logits, self.params, positions,
-                         lambda: (w.counts, w.patches(self.seq, self.n, trie)) if w is not None else (None, None),
+        return ar_choice(logits, self.params, trie.depths + self.n, lambda: self.penalty_inputs(trie),
                          lambda: w.presence(self.seq, self.n, trie) if w is not None else None)
+
+    def penalty_inputs(self, trie: Trie) -> tuple[torch.Tensor | None, tuple | None]:
+        """Our sampling kernel's view of the window for the trie's rows: its counts and the nodes' patches (None, None
+        without a penalty)."""
+        w = self.window
+        return (None, None) if w is None else (w.counts, w.patches(self.seq, self.n, trie))
 
     def stop_rules(self, tokens: list[int]) -> list[int]:
         """The accepted tokens AR would have emitted: cut after max_tokens, or the first that ends the generation."""
@@ -128,13 +132,13 @@ def choose_together(seqs: list[Sequence], tries: list[Trie], logits: torch.Tenso
         rows = [r for i in members for r in range(offsets[i], offsets[i + 1])]
         counts, params, positions, patches, done = [], [], [], [], 0
         for i in members:
-            st, trie, w = seqs[i], tries[i], seqs[i].window
-            counts += [None if w is None else w.counts] * trie.size
+            st, trie = seqs[i], tries[i]
+            n, patch = st.penalty_inputs(trie)
+            counts += [n] * trie.size
             params += [st.params] * trie.size
             positions.append(trie.depths + st.n)
-            if w is not None:
-                r, c, v = w.patches(st.seq, st.n, trie)
-                patches.append((r + done, c, v))
+            if patch is not None:
+                patches.append((patch[0] + done, patch[1], patch[2]))
             done += trie.size
         merged = tuple(torch.cat(part) for part in zip(*patches)) if patches else None
         got = sample_rows_in_kernel(logits if len(rows) == logits.shape[0] else logits[rows], counts, merged, params,
