@@ -16,7 +16,7 @@ from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.kv_cache import KVCache
 from specrun.decoding.forward.kv_codes import KVCodes
-from specrun.decoding.forward.quant import quantizable, quantize
+from specrun.decoding.forward.quant import grid, quantizable, quantize
 from specrun.decoding.forward.runner import ModelRunner
 from specrun.decoding.kernels.cpu_kernels import cpu_kernels
 from specrun.decoding.verify.sampling import SamplingParams, ar_choice
@@ -67,15 +67,33 @@ def test_quantize_and_the_product_agree_with_float64(n, k):
     if kernels is None:
         pytest.skip("no CPU kernels here")
     bias = torch.randn(n, generator=gen)
+    q, d, m = (t.double() for t in grid(w))
     for rows in (1, 3, 8, 11):  # one pass, a partial pass, a full one, two passes
         x = torch.randn((rows, k), generator=gen).bfloat16()
-        ref = x.double() @ deq.double().T
-        for b in (None, bias):
-            y = kernels.gemv_q4(x, packed, n, b).double()
-            want = ref if b is None else ref + b.double()
-            assert ((y - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()  # bf16's one rounding
-        alone = torch.cat([kernels.gemv_q4(x[i : i + 1], packed, n) for i in range(rows)])
-        assert torch.equal(alone, kernels.gemv_q4(x, packed, n))  # a row does not depend on the others
+        x[0, :32] = 0  # a group of zeros (int8 inputs: scale 0)
+        for int8 in (False, True):
+            ref = _on_int8_grid(x, q, d, m) if int8 else x.double() @ deq.double().T
+            for b in (None, bias):
+                y = kernels.gemv_q4(x, packed, n, b, int8_inputs=int8).double()
+                want = ref if b is None else ref + b.double()
+                assert ((y - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()  # bf16's rounding
+            alone = torch.cat([kernels.gemv_q4(x[i : i + 1], packed, n, int8_inputs=int8) for i in range(rows)])
+            assert torch.equal(alone, kernels.gemv_q4(x, packed, n, int8_inputs=int8))  # a row alone as beside others
+
+
+def _on_int8_grid(x, q, d, m):
+    """gemv_q4_q8's product in float64: each row's inputs coded per group of 32 (scale max |x| / 127, float32's own
+    quotient, to nearest even), their codes times the weights' codes summed exactly, times both scales; the minimums
+    times the inputs themselves.
+
+    # x: [R, K] bf16, q: [N, K], d, m: [N, K / 32] -> [R, N] float64
+    """
+    xg = x.float().view(x.shape[0], -1, 32)
+    top = xg.abs().amax(-1, keepdim=True)
+    codes = (xg * torch.where(top > 0, (127 / top.double()).float(), 0)).round()
+    scale = (top / 127)[..., 0].double()
+    return (torch.einsum("rgk,ngk,rg,ng->rn", codes.double(), q.view(q.shape[0], -1, 32), scale, d)
+            + torch.einsum("rgk,ng->rn", xg.double(), m))
 
 
 def test_quantize_recovers_weights_already_on_its_grid():

@@ -27,11 +27,11 @@ from specrun.decoding.verify.params import SamplingParams
 from specrun.decoding.verify.sampling import ar_choice, kernel_group, kernel_sampling, sample_rows_in_kernel
 from specrun.decoding.verify.trie import Draft, DraftContext
 
-# the LM head in 4 bits finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its error) and the
-# model's own bf16 rows score them (rescore_bf16): AR's head for what can be drafted, the 8-bit head's 0.87 ms a
-# draft down to 0.39 (smollm2). (The 4-bit head alone moved AR's sampled token: 2.77 tokens a width-4 step against 3.68
-# with an 8-bit head, 3.78 so.)
-HEAD_MARGIN = 2.5  # logits: the 4-bit head errs by up to 1.75 on smollm2's 200 best (median 1.2); 1.5-5.0 drafted alike
+# the LM head in 4 bits, on int8 inputs, finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its
+# error) and the model's own bf16 rows score them (rescore_bf16): AR's head for what can be drafted at a fraction of its
+# cost (the 4-bit head's own logits moved AR's sampled token: docs/benchmarks.md)
+HEAD_MARGIN = 2.5  # logits: the coarse head errs by up to ~2.4 on smollm2's 200 best (a row's worst: median 1.26);
+# margins of 1.5-5.0 drafted alike
 GUMBEL_SPAN = 12.0  # no min-p: tokens this far (x temperature) below the best are drafted never (odds ~e^-12)
 MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner picks the width below this)
 
@@ -97,7 +97,7 @@ class KernelForward:
         for b, window in enumerate(self.active if queries else ()):
             window.note_query(queries[0][:, b])
         h = kernels.rms_norm(h, self.norm_weight, self.norm_eps)
-        coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0])  # [B, V]
+        coarse = kernels.gemv_q4(h, self.head, self.rows.shape[0], int8_inputs=True)  # [B, V]
         return kernels.rescore(coarse, counts, h, self.rows, thetas, belows)[0]
 
 

@@ -704,6 +704,81 @@ void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, 
     }
 }
 
+/* The same 4-bit products with each row's inputs on an int8 grid per group of QG (scale max |x| / 127, codes rounded
+ * to nearest even): the code bytes as u8 against the s8 inputs, 4 products a lane (vpdpbusd: a 16-bit word of codes,
+ * zero-extended to its lane, holds inputs 4c, 4c + 1 in its low nibbles and 4c + 2, 4c + 3 in its high ones), each
+ * group's exact int32 sum scaled once: acc += (d * s) * sum(q c) + m * sum(x). Half the instructions of gemv_q4 but
+ * ~1% error on the inputs: the drafter's coarse LM head (rescoring gives its candidates the model's own logits),
+ * not its layers (where that error cost ~8% of smollm2's drafted tokens). */
+#define BLOCKQ8(MB)                                                                                                    \
+    static inline __attribute__((always_inline)) void blockq8_##MB(const int8_t *x, const uint8_t *pb,                \
+                                                                   const float *xs, const float *sx, const float *b,   \
+                                                                   uint16_t *y, int N, int K, int n0) {                \
+        const __m512i low = _mm512_set1_epi32(0x0f0f), high = _mm512_set1_epi32(0x0f0f0000);                          \
+        int G = K / QG;                                                                                                \
+        __m512 acc[MB];                                                                                                \
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                                                     \
+        for (int g = 0; g < G; g++) {                                                                                  \
+            const uint8_t *pg = pb + (long)g * QBYTES;                                                                 \
+            __m512i part[MB];                                                                                          \
+            for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_si512();                                             \
+            for (int c = 0; c < QG / 4; c++) {                                                                         \
+                if (MB > 1) _mm_prefetch((const char *)(pg + c * 32) + PREFETCH, _MM_HINT_T0);                         \
+                __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(pg + c * 32)));                 \
+                /* low | (u << 12 & high): lane bytes = inputs 4c .. 4c + 3 */                                         \
+                __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(u, low), _mm512_slli_epi32(u, 12), high, 0xF8); \
+                long k0 = (long)g * QG + c * 4;                                                                        \
+                for (int m = 0; m < MB; m++) {                                                                         \
+                    int32_t p0;                                                                                        \
+                    __builtin_memcpy(&p0, x + (long)m * K + k0, 4);                                                    \
+                    part[m] = _mm512_dpbusd_epi32(part[m], w, _mm512_set1_epi32(p0));                                  \
+                }                                                                                                      \
+            }                                                                                                          \
+            const __m256i *dm = (const __m256i *)(pg + QG * 8);                                                        \
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(dm));                                                        \
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(dm + 1));                                                   \
+            for (int m = 0; m < MB; m++) {                                                                             \
+                __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(sx[(long)m * G + g]));                                     \
+                acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(long)m * G + g]),                                      \
+                                         _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(part[m]), acc[m]));                    \
+            }                                                                                                          \
+        }                                                                                                              \
+        store_block_bf16(acc, MB, b, y, N, n0);                                                                        \
+    }
+BLOCKQ8(1) BLOCKQ8(2) BLOCKQ8(3) BLOCKQ8(4) BLOCKQ8(5) BLOCKQ8(6) BLOCKQ8(7) BLOCKQ8(8)
+
+/* s: 16 inputs' codes at c (x * inv, to nearest even; |x| <= top codes within +-127) */
+static inline void q8_inputs(__m512 x, __m512 inv, int8_t *c) {
+    _mm_storeu_si128((__m128i *)c, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv))));
+}
+
+/* gemv_q4's y = x W^T (+ b) through blockq8: each row's inputs coded per group (xq), with the group's scale (sx) and
+ * plain sum (xs), ROWS rows a pass; a row's result does not depend on the others. */
+void gemv_q4_q8(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, long M, long N, long K,
+                int threads) {
+    int blocks = (N + 15) / 16, G = K / QG;
+    const uint8_t *q = (const uint8_t *)p;
+    for (long m0 = 0; m0 < M; m0 += ROWS) {
+        int rows = M - m0 < ROWS ? M - m0 : ROWS;
+        float xs[ROWS * G], sx[ROWS * G];
+        int8_t xq[ROWS * K];
+        for (int m = 0; m < rows; m++)
+            for (int g = 0; g < G; g++) {
+                const uint16_t *r = x + (m0 + m) * K + g * QG;
+                __m512 a = load16(r, 0xffff), c = load16(r + 16, 0xffff);
+                float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+                __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+                xs[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+                sx[m * G + g] = top / 127.0f;
+                q8_inputs(a, inv, xq + m * K + g * QG);
+                q8_inputs(c, inv, xq + m * K + g * QG + 16);
+            }
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")
+        for (int nb = 0; nb < blocks; nb++)
+            ROW_PASS(blockq8, rows, xq, q + (long)nb * G * QBYTES, xs, sx, b, y + m0 * N, N, K, nb * 16)
+    }
+}
+
 typedef struct {
     const void *ln1, *ln2;                 /* [H] norm weights, in the layers' type */
     const void *qkv, *o, *gate_up, *down;  /* packed as for the type's gemv: [q; k; v], o, [gate; up], down */
