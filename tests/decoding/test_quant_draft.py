@@ -169,6 +169,35 @@ def test_the_quantized_layers_compute_what_the_model_does_on_their_weights(model
 
 
 @needs_kernels
+def test_the_quantized_layers_give_each_sequence_the_rows_it_gets_alone(model_dir):
+    """Several sequences in one call (their attention's items in one loop, each over its own int8 copy; one of them
+    over its bf16 cache; lengths of one chunk of keys and of two): every row is the one its sequence gets alone."""
+    lm = load_model(str(model_dir), dtype="bfloat16")
+    gen = torch.Generator().manual_seed(1)
+    caches, codes = [], []
+    for n, coded in ((13, True), (300, True), (40, False), (1, True)):
+        runner = ModelRunner(lm, max_rows=16)
+        runner.reset(320)
+        runner.prefill(torch.randint(0, 250, (n,), generator=gen), 16)
+        cache = runner.cache
+        c = KVCodes(cache.n_layers, cache.k.shape[1], cache.capacity, cache.k.shape[3]) if coded else None
+        if c is not None:
+            c.sync(quantized(runner.decoder).layers.kernels, cache.k, cache.v, cache.length)
+        caches.append(cache)
+        codes.append(c)
+    dec = runner.decoder
+    layers = quantized(dec).layers
+    starts = [c.length for c in caches]
+    x = dec.embed(torch.tensor([65, 66, 67, 68]))
+    cos, sin = dec.rotary(x[None], torch.tensor(starts)[None])
+    together = layers.rows(x, cos[0], sin[0], caches, starts, codes)
+    for b in range(4):
+        alone = layers.rows(x[b : b + 1], cos[0, b : b + 1], sin[0, b : b + 1], caches[b : b + 1], starts[b : b + 1],
+                            codes[b : b + 1])
+        assert torch.equal(alone, together[b : b + 1]), b
+
+
+@needs_kernels
 def test_the_drafters_copy_holds_the_codes_of_each_new_sequences_cache(model_dir):
     """A second sequence on the same engine and cache (a resume of the same prompt with another output prefix, longer
     than the first one's text): its drafter's copy is its own, slot for slot the codes of its cache's committed

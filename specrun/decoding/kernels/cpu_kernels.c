@@ -854,29 +854,26 @@ void quantize_kv_q8(const uint16_t *k, const uint16_t *v, long cap, long layer_s
 
 /* each row's output from its chunks' partial sums (per chunk: o [16][D] unnormalised, max [16], sum [16]), merged by
  * their maxima (log-sum-exp) */
-static void merge_chunks(const float *part, long chunks, long per, uint16_t *out, long rows, long blocks, long G,
-                         long Hq, long Hkv, long D, int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long rb = 0; rb < Hkv * blocks; rb++) {
-        long kvh = rb / blocks, r0 = (rb % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
-        for (long l = 0; l < used; l++) {
-            const float *base = part + rb * chunks * per;
-            float m = -INFINITY, total = 0.0f;
-            for (long c = 0; c < chunks; c++) m = fmaxf(m, base[c * per + 16 * D + l]);
-            __m512 acc[16];
-            for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
-            for (long c = 0; c < chunks; c++) {
-                const float *pc = base + c * per;
-                if (pc[16 * D + 16 + l] == 0.0f) continue;
-                float w = expf(pc[16 * D + l] - m);
-                total += w * pc[16 * D + 16 + l];
-                for (long d = 0; d < D / 16; d++)
-                    acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + l * D + d * 16), acc[d]);
-            }
-            long r = r0 + l, t = r / G, h = kvh * G + r % G;
+static void merge_block(const float *part, long chunks, long per, uint16_t *out, long rows, long rb, long blocks,
+                        long G, long Hq, long D) {
+    long kvh = rb / blocks, r0 = (rb % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;
+    const float *base = part + rb * chunks * per;
+    for (long l = 0; l < used; l++) {
+        float m = -INFINITY, total = 0.0f;
+        for (long c = 0; c < chunks; c++) m = fmaxf(m, base[c * per + 16 * D + l]);
+        __m512 acc[16];
+        for (long d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+        for (long c = 0; c < chunks; c++) {
+            const float *pc = base + c * per;
+            if (pc[16 * D + 16 + l] == 0.0f) continue;
+            float w = expf(pc[16 * D + l] - m);
+            total += w * pc[16 * D + 16 + l];
             for (long d = 0; d < D / 16; d++)
-                store_bf16x16(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.0f / total)));
+                acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + l * D + d * 16), acc[d]);
         }
+        long r = r0 + l, t = r / G, h = kvh * G + r % G;
+        for (long d = 0; d < D / 16; d++)
+            store_bf16x16(out + (t * Hq + h) * D + d * 16, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.0f / total)));
     }
 }
 
@@ -920,6 +917,98 @@ static inline __attribute__((always_inline)) void q8_values(const int8_t *v, lon
         for (long b = 0; b < NB; b++)
             _mm512_storeu_ps(o + l * NB * 16 + b * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(a[l][b]), _mm512_set1_ps(wscale[l])));
 }
+#define Q8_PER(D) (16 * (D) + 32)  /* floats an item's partial results take: o [16][D], max [16], sum [16] */
+
+/* one item of attend_split_q8: KV head kvh's block of 16 query rows against chunk c of the keys -> o (Q8_PER(D)) */
+static void q8_item(const uint16_t *q, const uint8_t *q8, long capT, const uint8_t *mask, long T, long Hq, long Hkv,
+                    long D, long start, float scale, long item, long blocks, long chunks, float *o) {
+    long S = start + T, G = Hq / Hkv, rows = G * T;
+    long c = item % chunks, blk = (item / chunks) % blocks, kvh = item / (chunks * blocks);
+    long r0 = blk * 16, used = rows - r0 < 16 ? rows - r0 : 16, lo = c * Q8_SPLIT;
+    long n = S - lo < Q8_SPLIT ? S - lo : Q8_SPLIT;
+    q8_head_t hd = q8_head(q8, capT, Hkv, D, kvh);
+    float sc[16 * Q8_SPLIT], *mx = o + 16 * D, *sum = mx + 16;
+    float qs[16];
+    uint32_t qc[16][64];  /* each row's u8 query codes, 4 dims a dword */
+    __mmask16 sees_new[T];
+    lanes_seeing_new(mask, T, G, r0, used, sees_new);
+    for (long l = 0; l < used; l++) {
+        long r = r0 + l, t = r / G, h = kvh * G + r % G;
+        int8_t c[256];
+        qs[l] = q8_row(q + (t * Hq + h) * D, D, c, 1, NULL) * scale;
+        for (long d = 0; d < D; d++) ((uint8_t *)qc[l])[d] = (uint8_t)(c[d] + 128);
+    }
+    /* scores: tiles of 16 keys, lo a multiple of 16 */
+    __m512 best[16];
+    for (long l = 0; l < used; l++) best[l] = _mm512_set1_ps(-INFINITY);
+    for (long k0 = 0; k0 < n; k0 += 16) {
+        const int8_t *tile = hd.k + (lo + k0) * D;
+        __m512i acc[16];
+        for (long l0 = 0; l0 < used; l0 += 4) {
+            switch (used - l0) {
+                case 1: q8_tile_dots(tile, D, qc + l0, acc + l0, 1); break;
+                case 2: q8_tile_dots(tile, D, qc + l0, acc + l0, 2); break;
+                case 3: q8_tile_dots(tile, D, qc + l0, acc + l0, 3); break;
+                default: q8_tile_dots(tile, D, qc + l0, acc + l0, 4);
+            }
+        }
+        __mmask16 live = tail(n, k0);
+        __m512i ksum = _mm512_maskz_loadu_epi32(live, hd.ksum + lo + k0);
+        __m512 ks = _mm512_maskz_loadu_ps(live, hd.ks + lo + k0);
+        __m512i off = _mm512_slli_epi32(ksum, 7);  /* the +128 offset's share: 128 * the key's code sum */
+        for (long l = 0; l < used; l++) {
+            __mmask16 seen = live;
+            if (lo + k0 + 16 > start)  /* a tile of committed keys only: every row sees all of it */
+                for (long j = 0; j < 16; j++)
+                    if (lo + k0 + j >= start && k0 + j < n && !((sees_new[lo + k0 + j - start] >> l) & 1))
+                        seen &= ~(1u << j);
+            __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[l], off)),
+                                     _mm512_mul_ps(ks, _mm512_set1_ps(qs[l])));
+            x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
+            _mm512_mask_storeu_ps(sc + l * Q8_SPLIT + k0, live, x);
+            best[l] = _mm512_mask_max_ps(best[l], live, best[l], x);
+        }
+    }
+    int16_t pw[16][Q8_SPLIT + 16];
+    float wscale[16];
+    for (long l = 0; l < used; l++) {
+        float top = _mm512_reduce_max_ps(best[l]), *x = sc + l * Q8_SPLIT;
+        mx[l] = top;
+        sum[l] = top == -INFINITY ? 0.0f : 1.0f / softmax_row(x, n, top);
+        __m512 wm = _mm512_setzero_ps();
+        for (long s = 0; s < n; s += 16) {  /* probabilities times the V scales */
+            __mmask16 m = tail(n, s);
+            __m512 w = sum[l] == 0.0f ? _mm512_setzero_ps()
+                                      : _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + s), _mm512_maskz_loadu_ps(m, hd.vs + lo + s));
+            _mm512_mask_storeu_ps(x + s, m, w);
+            wm = _mm512_max_ps(wm, w);
+        }
+        float w_max = _mm512_reduce_max_ps(wm), winv = w_max > 0.0f ? 32767.0f / w_max : 0.0f;
+        wscale[l] = w_max / 32767.0f;
+        for (long s = 0; s < n + 16; s += 16) {
+            __mmask16 m = s < n ? tail(n, s) : 0;
+            __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + s), _mm512_set1_ps(winv)));
+            _mm256_storeu_si256((__m256i *)(pw[l] + s), _mm512_cvtepi32_epi16(w));
+        }
+    }
+    /* values: key pairs, 16 dims a vpdpwssd */
+    const int8_t *vp = hd.v + lo * D;
+    for (long l0 = 0; l0 < used; l0 += 4) {
+        long R = used - l0 < 4 ? used - l0 : 4;
+        const int16_t (*pr)[Q8_SPLIT + 16] = pw + l0;
+        if (D == 64) {  /* smollm2's, Llama's heads: the sums in registers */
+            switch (R) {
+                case 1: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 1, 4); break;
+                case 2: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 2, 4); break;
+                case 3: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 3, 4); break;
+                default: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 4, 4);
+            }
+        } else {
+            q8_values(vp, n, pr, wscale + l0, o + l0 * D, R, D / 16);
+        }
+    }
+}
+
 /* The self-drafter's attention over the int8 copy (slots [0, start + T) quantized: the new rows' K/V included), split
  * for balance over 2 threads and 3 KV heads: per KV head, block of 16 rows and chunk of keys; each row's query in u8 codes (offset
  * 128, scale max |q| / 127) against the K codes (vpdpbusd, 4 products a lane), its probabilities times the V scales
@@ -927,97 +1016,14 @@ static inline __attribute__((always_inline)) void q8_values(const int8_t *v, lon
 int attend_split_q8(const uint16_t *q, const uint8_t *q8, long capT, const uint8_t *mask, uint16_t *out, long T, long Hq,
                     long Hkv, long D, long start, float scale, int threads) {
     long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;
-    long chunks = (S + Q8_SPLIT - 1) / Q8_SPLIT, items = Hkv * blocks * chunks, per = 16 * D + 32;
-    float *part = (float *)malloc(items * per * sizeof(float));  /* per item: o [16][D], max [16], sum [16] */
+    long chunks = (S + Q8_SPLIT - 1) / Q8_SPLIT, items = Hkv * blocks * chunks, per = Q8_PER(D);
+    float *part = (float *)malloc(items * per * sizeof(float));
     if (part == NULL) return -1;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (long item = 0; item < items; item++) {
-        long c = item % chunks, blk = (item / chunks) % blocks, kvh = item / (chunks * blocks);
-        long r0 = blk * 16, used = rows - r0 < 16 ? rows - r0 : 16, lo = c * Q8_SPLIT;
-        long n = S - lo < Q8_SPLIT ? S - lo : Q8_SPLIT;
-        q8_head_t hd = q8_head(q8, capT, Hkv, D, kvh);
-        float sc[16 * Q8_SPLIT], *o = part + item * per, *mx = o + 16 * D, *sum = mx + 16;
-        float qs[16];
-        uint32_t qc[16][64];  /* each row's u8 query codes, 4 dims a dword */
-        __mmask16 sees_new[T];
-        lanes_seeing_new(mask, T, G, r0, used, sees_new);
-        for (long l = 0; l < used; l++) {
-            long r = r0 + l, t = r / G, h = kvh * G + r % G;
-            int8_t c[256];
-            qs[l] = q8_row(q + (t * Hq + h) * D, D, c, 1, NULL) * scale;
-            for (long d = 0; d < D; d++) ((uint8_t *)qc[l])[d] = (uint8_t)(c[d] + 128);
-        }
-        /* scores: tiles of 16 keys, lo a multiple of 16 */
-        __m512 best[16];
-        for (long l = 0; l < used; l++) best[l] = _mm512_set1_ps(-INFINITY);
-        for (long k0 = 0; k0 < n; k0 += 16) {
-            const int8_t *tile = hd.k + (lo + k0) * D;
-            __m512i acc[16];
-            for (long l0 = 0; l0 < used; l0 += 4) {
-                switch (used - l0) {
-                    case 1: q8_tile_dots(tile, D, qc + l0, acc + l0, 1); break;
-                    case 2: q8_tile_dots(tile, D, qc + l0, acc + l0, 2); break;
-                    case 3: q8_tile_dots(tile, D, qc + l0, acc + l0, 3); break;
-                    default: q8_tile_dots(tile, D, qc + l0, acc + l0, 4);
-                }
-            }
-            __mmask16 live = tail(n, k0);
-            __m512i ksum = _mm512_maskz_loadu_epi32(live, hd.ksum + lo + k0);
-            __m512 ks = _mm512_maskz_loadu_ps(live, hd.ks + lo + k0);
-            __m512i off = _mm512_slli_epi32(ksum, 7);  /* the +128 offset's share: 128 * the key's code sum */
-            for (long l = 0; l < used; l++) {
-                __mmask16 seen = live;
-                if (lo + k0 + 16 > start)  /* a tile of committed keys only: every row sees all of it */
-                    for (long j = 0; j < 16; j++)
-                        if (lo + k0 + j >= start && k0 + j < n && !((sees_new[lo + k0 + j - start] >> l) & 1))
-                            seen &= ~(1u << j);
-                __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[l], off)),
-                                         _mm512_mul_ps(ks, _mm512_set1_ps(qs[l])));
-                x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
-                _mm512_mask_storeu_ps(sc + l * Q8_SPLIT + k0, live, x);
-                best[l] = _mm512_mask_max_ps(best[l], live, best[l], x);
-            }
-        }
-        int16_t pw[16][Q8_SPLIT + 16];
-        float wscale[16];
-        for (long l = 0; l < used; l++) {
-            float top = _mm512_reduce_max_ps(best[l]), *x = sc + l * Q8_SPLIT;
-            mx[l] = top;
-            sum[l] = top == -INFINITY ? 0.0f : 1.0f / softmax_row(x, n, top);
-            __m512 wm = _mm512_setzero_ps();
-            for (long s = 0; s < n; s += 16) {  /* probabilities times the V scales */
-                __mmask16 m = tail(n, s);
-                __m512 w = sum[l] == 0.0f ? _mm512_setzero_ps()
-                                          : _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + s), _mm512_maskz_loadu_ps(m, hd.vs + lo + s));
-                _mm512_mask_storeu_ps(x + s, m, w);
-                wm = _mm512_max_ps(wm, w);
-            }
-            float w_max = _mm512_reduce_max_ps(wm), winv = w_max > 0.0f ? 32767.0f / w_max : 0.0f;
-            wscale[l] = w_max / 32767.0f;
-            for (long s = 0; s < n + 16; s += 16) {
-                __mmask16 m = s < n ? tail(n, s) : 0;
-                __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + s), _mm512_set1_ps(winv)));
-                _mm256_storeu_si256((__m256i *)(pw[l] + s), _mm512_cvtepi32_epi16(w));
-            }
-        }
-        /* values: key pairs, 16 dims a vpdpwssd */
-        const int8_t *vp = hd.v + lo * D;
-        for (long l0 = 0; l0 < used; l0 += 4) {
-            long R = used - l0 < 4 ? used - l0 : 4;
-            const int16_t (*pr)[Q8_SPLIT + 16] = pw + l0;
-            if (D == 64) {  /* smollm2's, Llama's heads: the sums in registers */
-                switch (R) {
-                    case 1: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 1, 4); break;
-                    case 2: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 2, 4); break;
-                    case 3: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 3, 4); break;
-                    default: q8_values(vp, n, pr, wscale + l0, o + l0 * D, 4, 4);
-                }
-            } else {
-                q8_values(vp, n, pr, wscale + l0, o + l0 * D, R, D / 16);
-            }
-        }
-    }
-    merge_chunks(part, chunks, per, out, rows, blocks, G, Hq, Hkv, D, threads);
+    for (long item = 0; item < items; item++)
+        q8_item(q, q8, capT, mask, T, Hq, Hkv, D, start, scale, item, blocks, chunks, part + item * per);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long rb = 0; rb < Hkv * blocks; rb++) merge_block(part, chunks, per, out, rows, rb, blocks, G, Hq, D);
     free(part);
     return 0;
 }
@@ -1032,19 +1038,59 @@ int attend_split_q8(const uint16_t *q, const uint8_t *q8, long capT, const uint8
     }
 ATTEND_SEQ(attend_seq_bf16, uint16_t, attend_bf16)
 ATTEND_SEQ(attend_seq_f32, float, attend_f32)
-static void attend_seq_q8(const seq_t *sq, int l, const uint16_t *q, uint16_t *out, long Hq, long Hkv, long D,
-                          float scale, float *scratch, int threads) {
-    if (sq->q8 != NULL) {
-        uint8_t *base = sq->q8 + l * q8_bytes(sq->q8_cap, Hkv, D);
-        for (long h = 0; h < Hkv; h++) {
-            long at = l * sq->layer_stride + h * sq->cap * D;
-            q8_slots((const uint16_t *)sq->k + at, (const uint16_t *)sq->v + at, q8_head(base, sq->q8_cap, Hkv, D, h),
-                     D, sq->start, sq->start + sq->T);
-        }
-        if (attend_split_q8(q, base, sq->q8_cap, sq->mask, out, sq->T, Hq, Hkv, D, sq->start, scale, threads) == 0)
-            return;
+/* Every sequence's attention at layer l in decode_layers (their K/V just written; sequence s's rows from r0): the
+ * plain kernels, one sequence after another */
+#define ATTEND_SEQS(NAME, TYPE, ONE)                                                                                \
+    static void NAME(const seq_t *seqs, long nseq, int l, const TYPE *q, TYPE *out, long Hq, long Hkv, long D,       \
+                     float scale, float *scratch, int threads) {                                                     \
+        for (long s = 0; s < nseq; s++)                                                                             \
+            ONE(seqs + s, l, q + seqs[s].r0 * Hq * D, out + seqs[s].r0 * Hq * D, Hq, Hkv, D, scale, scratch, threads); \
     }
-    attend_seq_bf16(sq, l, q, out, Hq, Hkv, D, scale, scratch, threads);
+ATTEND_SEQS(attend_seqs_bf16, uint16_t, attend_seq_bf16)
+ATTEND_SEQS(attend_seqs_f32, float, attend_seq_f32)
+
+/* the self-drafter's: each sequence's new rows' codes into its int8 copy, then all sequences' items (attend_split_q8's)
+ * in one parallel loop and their merges in another (a draft's sequences have a row each: too little work apiece to
+ * split across threads alone); a sequence without a copy, or all where the partial sums find no memory: the plain one */
+static void attend_seqs_q8(const seq_t *seqs, long nseq, int l, const uint16_t *q, uint16_t *out, long Hq, long Hkv,
+                           long D, float scale, float *scratch, int threads) {
+    long G = Hq / Hkv, per = Q8_PER(D), first[nseq + 1], first_rb[nseq + 1], blocks[nseq], chunks[nseq];
+    const uint8_t *codes[nseq];
+    first[0] = first_rb[0] = 0;
+    for (long s = 0; s < nseq; s++) {  /* item it of sequence s: first[s] <= it < first[s + 1]; merges: first_rb */
+        const seq_t *sq = seqs + s;
+        long S = sq->start + sq->T;
+        blocks[s] = (G * sq->T + 15) / 16, chunks[s] = (S + Q8_SPLIT - 1) / Q8_SPLIT;
+        codes[s] = sq->q8 == NULL ? NULL : sq->q8 + l * q8_bytes(sq->q8_cap, Hkv, D);
+        for (long h = 0; codes[s] != NULL && h < Hkv; h++) {
+            long at = l * sq->layer_stride + h * sq->cap * D;
+            q8_slots((const uint16_t *)sq->k + at, (const uint16_t *)sq->v + at,
+                     q8_head(codes[s], sq->q8_cap, Hkv, D, h), D, sq->start, S);
+        }
+        first[s + 1] = first[s] + (codes[s] != NULL ? Hkv * blocks[s] * chunks[s] : 0);
+        first_rb[s + 1] = first_rb[s] + (codes[s] != NULL ? Hkv * blocks[s] : 0);
+    }
+    float *part = first[nseq] ? (float *)malloc(first[nseq] * per * sizeof(float)) : NULL;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long it = 0; it < (part ? first[nseq] : 0); it++) {
+        long s = 0;
+        while (first[s + 1] <= it) s++;
+        const seq_t *sq = seqs + s;
+        q8_item(q + sq->r0 * Hq * D, codes[s], sq->q8_cap, sq->mask, sq->T, Hq, Hkv, D, sq->start, scale,
+                it - first[s], blocks[s], chunks[s], part + it * per);
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (long it = 0; it < (part ? first_rb[nseq] : 0); it++) {
+        long s = 0;
+        while (first_rb[s + 1] <= it) s++;
+        merge_block(part + first[s] * per, chunks[s], per, out + seqs[s].r0 * Hq * D, G * seqs[s].T, it - first_rb[s],
+                    blocks[s], G, Hq, D);
+    }
+    for (long s = 0; s < nseq; s++)
+        if (part == NULL || codes[s] == NULL)
+            attend_seq_bf16(seqs + s, l, q + seqs[s].r0 * Hq * D, out + seqs[s].r0 * Hq * D, Hq, Hkv, D, scale,
+                            scratch, threads);
+    free(part);
 }
 
 /* SUFFIX's helpers and decode_layers_SUFFIX over TYPE storage (LOAD / STORE / ROUND: 16 values as float32, masked).
@@ -1129,10 +1175,7 @@ static void attend_seq_q8(const seq_t *sq, int l, const uint16_t *q, uint16_t *o
                 }                                                                                                  \
             }                                                                                                      \
             if (queries != NULL) __builtin_memcpy(queries + l * T * Hq * D, q, T * Hq * D * sizeof(TYPE));       \
-            for (long s = 0; s < nseq; s++) {                                                                      \
-                const seq_t *sq = seqs + s;                                                                        \
-                ATTEND_FN(sq, l, q + sq->r0 * Hq * D, att + sq->r0 * Hq * D, Hq, Hkv, D, scale, scores, threads);        \
-            }                                                                                                      \
+            ATTEND_FN(seqs, nseq, l, q, att, Hq, Hkv, D, scale, scores, threads);                                  \
             GEMV(att, (const TYPE *)ly->o, ly->b_o, tmp, T, H, Hq * D, threads);                                   \
             add_into_##SUFFIX(x, tmp, T * H);                                                                      \
             rms_norm_##SUFFIX(x, (const TYPE *)ly->ln2, h, T, H, eps);                                             \
@@ -1142,10 +1185,10 @@ static void attend_seq_q8(const seq_t *sq, int l, const uint16_t *q, uint16_t *o
             add_into_##SUFFIX(x, tmp, T * H);                                                                      \
         }                                                                                                          \
     }
-LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_seq_bf16)
-LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_seq_f32)
+LAYERS(bf16, uint16_t, load16, store16, round16, gemv_bf16, attend_seqs_bf16)
+LAYERS(f32, float, load16_f32, store16_f32, round16_f32, gemv_f32, attend_seqs_f32)
 /* the quantized self-drafter's layers: bf16 activations and cache, 4-bit products, attention over the int8 copy */
-LAYERS(q4, uint16_t, load16, store16, round16, gemv_q4, attend_seq_q8)
+LAYERS(q4, uint16_t, load16, store16, round16, gemv_q4, attend_seqs_q8)
 /* out[t] = the RMSNorm of x[t] (rms_norm_bf16): the self-drafter's final norm, one call where HF's module is ~10 */
 void rms_norm_rows_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, long T, long H, float eps) {
     rms_norm_bf16(x, w, out, T, H, eps);
