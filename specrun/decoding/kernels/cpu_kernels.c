@@ -6,6 +6,7 @@
  * layers: 4-bit products and an attention over int8 K/V codes (vpdpbusd / vpdpwssd, AVX-512 VNNI).
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -568,34 +569,40 @@ static inline void exp_keys(float *sc, long s_lo, long S, long used, long ls, co
         free(tops);                                                                                                 \
         return 0;                                                                                                   \
     }                                                                                                               \
-    void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,        \
-              long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                    \
-        long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                  \
-        if (threads > 1 && S >= SPLIT_KEYS && (Hkv * blocks) % threads != 0                                         \
-            && NAME##_split(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads) == 0)           \
-            return; /* else unsplit (no memory for the split's maxima) */                                           \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                          \
-        for (long item = 0; item < Hkv * blocks; item++) {                                                          \
-            long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;            \
-            const TYPE *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;                                            \
-            float *sc = scratch + item * S * 16;                                                                    \
-            __mmask16 sees_new[T];                                                                                  \
-            lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                       \
-            float inv[16];                                                                                          \
-            long ss = 16, ls = 1; /* where row l's probability of key s is: sc[s * ss + l * ls] */                  \
-            if (used <= KIL_ROWS) {                                                                                 \
-                float top[KIL_ROWS];                                                                                \
-                KEY_ROWS_FN(q, kh, r0, used, G, Hq, kvh, D, 0, S, S, start, sees_new, scale, sc, top);              \
-                softmax_key_rows(sc, S, used, top, inv);                                                            \
-                ss = 1, ls = S;                                                                                     \
-            } else {                                                                                                \
-                __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, 0, S, start, sees_new, scale, sc);              \
-                softmax_lanes(sc, S, top, inv);                                                                     \
-            }                                                                                                       \
-            if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64, ss, ls, 0, 64, NULL); /* registers */\
-            else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128, ss, ls, 0, 128, NULL);        \
-            else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D, ss, ls, 0, D, NULL);                          \
-        }                                                                                                           \
+    /* block item (KV head item / blocks, rows from (item % blocks) * 16) of T rows over [0, start + T) keys;        \
+     * sc: its scores' scratch, (start + T) * 16 floats */                                                           \
+    static inline void NAME##_block(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask,      \
+                                    TYPE *out, long T, long Hq, long Hkv, long D, long start, float scale,           \
+                                    long item, long blocks, float *sc) {                                             \
+        long S = start + T, G = Hq / Hkv, rows = G * T;                                                              \
+        long kvh = item / blocks, r0 = (item % blocks) * 16, used = rows - r0 < 16 ? rows - r0 : 16;                 \
+        const TYPE *kh = k + kvh * cap * D, *vh = v + kvh * cap * D;                                                 \
+        __mmask16 sees_new[T];                                                                                       \
+        lanes_seeing_new(mask, T, G, r0, used, sees_new);                                                            \
+        float inv[16];                                                                                               \
+        long ss = 16, ls = 1; /* where row l's probability of key s is: sc[s * ss + l * ls] */                       \
+        if (used <= KIL_ROWS) {                                                                                      \
+            float top[KIL_ROWS];                                                                                     \
+            KEY_ROWS_FN(q, kh, r0, used, G, Hq, kvh, D, 0, S, S, start, sees_new, scale, sc, top);                   \
+            softmax_key_rows(sc, S, used, top, inv);                                                                 \
+            ss = 1, ls = S;                                                                                          \
+        } else {                                                                                                     \
+            __m512 top = SCORES(q, kh, r0, used, G, Hq, kvh, D, 0, S, start, sees_new, scale, sc);                   \
+            softmax_lanes(sc, S, top, inv);                                                                          \
+        }                                                                                                            \
+        if (D == 64) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 64, ss, ls, 0, 64, NULL); /* registers */     \
+        else if (D == 128) VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, 128, ss, ls, 0, 128, NULL);             \
+        else VALUES(sc, vh, out, inv, used, r0, G, Hq, kvh, S, D, ss, ls, 0, D, NULL);                               \
+    }                                                                                                                \
+    void NAME(const TYPE *q, const TYPE *k, const TYPE *v, long cap, const uint8_t *mask, TYPE *out, long T,         \
+              long Hq, long Hkv, long D, long start, float scale, float *scratch, int threads) {                     \
+        long S = start + T, G = Hq / Hkv, rows = G * T, blocks = (rows + 15) / 16;                                   \
+        if (threads > 1 && S >= SPLIT_KEYS && (Hkv * blocks) % threads != 0                                          \
+            && NAME##_split(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, scratch, threads) == 0)            \
+            return; /* else unsplit (no memory for the split's maxima) */                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                            \
+        for (long item = 0; item < Hkv * blocks; item++)                                                             \
+            NAME##_block(q, k, v, cap, mask, out, T, Hq, Hkv, D, start, scale, item, blocks, scratch + item * S * 16);\
     }
 ATTEND(attend_bf16, uint16_t, scores_bf16, key_rows_bf16, weighted_values_bf16)
 ATTEND(attend_f32, float, scores_f32, key_rows_f32, weighted_values_f32)
@@ -1038,20 +1045,44 @@ int attend_split_q8(const uint16_t *q, const uint8_t *q8, long capT, const uint8
     }
 ATTEND_SEQ(attend_seq_bf16, uint16_t, attend_bf16)
 ATTEND_SEQ(attend_seq_f32, float, attend_f32)
-/* Every sequence's attention at layer l in decode_layers (their K/V just written; sequence s's rows from r0): the
- * plain kernels, one sequence after another */
-#define ATTEND_SEQS(NAME, TYPE, ONE)                                                                                \
+/* Every sequence's attention at layer l in decode_layers (their K/V just written; sequence s's rows from r0). Several
+ * sequences' blocks are the threads' items together (a batched step's sequences have 3 blocks each on smollm2: alone
+ * they leave a thread idle or split each block), each in a thread's own part of scratch, which holds a block of the
+ * longest sequence per KV head and block of rows (attend_scratch); one sequence, or a scratch that cannot give every
+ * thread a part, takes ONE a sequence at a time. Every row's numbers are those it gets alone. */
+#define ATTEND_SEQS(NAME, TYPE, ONE, BLOCK)                                                                          \
     static void NAME(const seq_t *seqs, long nseq, int l, const TYPE *q, TYPE *out, long Hq, long Hkv, long D,       \
                      float scale, float *scratch, int threads) {                                                     \
-        for (long s = 0; s < nseq; s++)                                                                             \
-            ONE(seqs + s, l, q + seqs[s].r0 * Hq * D, out + seqs[s].r0 * Hq * D, Hq, Hkv, D, scale, scratch, threads); \
+        long G = Hq / Hkv, first[nseq + 1], blocks[nseq], most = 0, keys = 0;                                        \
+        first[0] = 0;                                                                                                \
+        for (long s = 0; s < nseq; s++) { /* block it of sequence s: first[s] <= it < first[s + 1] */                \
+            blocks[s] = (G * seqs[s].T + 15) / 16, first[s + 1] = first[s] + Hkv * blocks[s];                        \
+            long S = seqs[s].start + seqs[s].T;                                                                      \
+            most = seqs[s].T > most ? seqs[s].T : most, keys = S > keys ? S : keys;                                  \
+        }                                                                                                            \
+        if (nseq == 1 || threads > Hkv * ((G * most + 15) / 16)) {                                                   \
+            for (long s = 0; s < nseq; s++)                                                                          \
+                ONE(seqs + s, l, q + seqs[s].r0 * Hq * D, out + seqs[s].r0 * Hq * D, Hq, Hkv, D, scale, scratch,     \
+                    threads);                                                                                        \
+            return;                                                                                                  \
+        }                                                                                                            \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                        \
+        for (long it = 0; it < first[nseq]; it++) {                                                                  \
+            long s = 0;                                                                                              \
+            while (first[s + 1] <= it) s++;                                                                          \
+            const seq_t *sq = seqs + s;                                                                              \
+            BLOCK(q + sq->r0 * Hq * D, (const TYPE *)sq->k + l * sq->layer_stride,                                   \
+                  (const TYPE *)sq->v + l * sq->layer_stride, sq->cap, sq->mask, out + sq->r0 * Hq * D, sq->T, Hq, Hkv,\
+                  D, sq->start, scale, it - first[s], blocks[s], scratch + omp_get_thread_num() * keys * 16);        \
+        }                                                                                                            \
     }
-ATTEND_SEQS(attend_seqs_bf16, uint16_t, attend_seq_bf16)
-ATTEND_SEQS(attend_seqs_f32, float, attend_seq_f32)
+ATTEND_SEQS(attend_seqs_bf16, uint16_t, attend_seq_bf16, attend_bf16_block)
+ATTEND_SEQS(attend_seqs_f32, float, attend_seq_f32, attend_f32_block)
 
-/* the self-drafter's: each sequence's new rows' codes into its int8 copy, then all sequences' items (attend_split_q8's)
- * in one parallel loop and their merges in another (a draft's sequences have a row each: too little work apiece to
- * split across threads alone); a sequence without a copy, or all where the partial sums find no memory: the plain one */
+/* the self-drafter's: each sequence's new rows' codes into its int8 copy, then all sequences' items (those of
+ * attend_split_q8) in one parallel loop and their merges in another (a draft's sequences have a row each: too little
+ * work apiece to split across threads alone); a sequence without a copy, or all where the partial sums find no memory:
+ * the plain one */
 static void attend_seqs_q8(const seq_t *seqs, long nseq, int l, const uint16_t *q, uint16_t *out, long Hq, long Hkv,
                            long D, float scale, float *scratch, int threads) {
     long G = Hq / Hkv, per = Q8_PER(D), first[nseq + 1], first_rb[nseq + 1], blocks[nseq], chunks[nseq];
