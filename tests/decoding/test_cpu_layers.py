@@ -125,9 +125,12 @@ def test_taken_only_where_it_computes_the_same(tmp_path):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_batched_forward_gives_each_row_its_solo_values(tmp_path, dtype):
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than a sequence's blocks (a part of scratch each)
+def test_a_batched_forward_gives_each_row_its_solo_values(tmp_path, dtype, threads, request):
     """Three sequences of different lengths and tries (other tree masks, one single row) in one batched forward: every
     row's hidden state, the K/V it leaves in its page and its kept queries equal its sequence's solo forward exactly."""
+    request.addfinalizer(lambda n=torch.get_num_threads(): torch.set_num_threads(n))
+    torch.set_num_threads(threads)
     lm = _tiny(tmp_path, dtype=dtype)
     chain = torch.tril(torch.ones(3, 3, dtype=torch.bool))
     prompts = [torch.arange(10, 23), torch.arange(40, 45), torch.arange(60, 80)]

@@ -175,7 +175,7 @@ class CpuLayers:
         work = torch.empty(T * (2 * H + (Hq + 2 * Hkv) * D + 2 * Hq * D + 3 * I), dtype=dt)
         kept = torch.empty((len(self.ptrs), T, Hq, D), dtype=dt) if keep_queries else None
         most = max(s.T for s in seqs)
-        scores = CpuKernels.attend_scratch(most, Hq, Hkv, keys - most)
+        scores = CpuKernels.attend_scratch(most, Hq, Hkv, keys - most, torch.get_num_threads())
         arr = (_Seq * len(seqs))(*seqs)
         self.run_layers(ctypes.addressof(self.ptrs), len(self.ptrs), x.data_ptr(), T, H, I, Hq, Hkv, D,
                         ctypes.addressof(arr), len(seqs), cos.data_ptr(), sin.data_ptr(), self.eps, self.scale,

@@ -36,7 +36,7 @@ class KVCodes:
     def attend(self, kernels: CpuKernels, q: torch.Tensor, start: int, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
         """The quantized self-drafter's attention over a one-layer copy (codes of slots [0, start + T)), in chunks of
-        keys merged by log-sum-exp; decode_layers_q4 runs it per layer.
+        keys merged by log-sum-exp (decode_layers_q4 runs its parts for all sequences at once).
 
         # q: [T, Hq, D] bf16, mask: [T, T] bool or None (T == 1) -> [T, Hq, D] bf16
         """

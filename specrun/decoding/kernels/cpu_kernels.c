@@ -1047,23 +1047,21 @@ ATTEND_SEQ(attend_seq_bf16, uint16_t, attend_bf16)
 ATTEND_SEQ(attend_seq_f32, float, attend_f32)
 /* Every sequence's attention at layer l in decode_layers (their K/V just written; sequence s's rows from r0). Several
  * sequences' blocks are the threads' items together (a batched step's sequences have 3 blocks each on smollm2: alone
- * they leave a thread idle or split each block), each in a thread's own part of scratch, which holds a block of the
- * longest sequence per KV head and block of rows (attend_scratch); one sequence, or a scratch that cannot give every
- * thread a part, takes ONE a sequence at a time. Every row's numbers are those it gets alone. */
+ * they leave a thread idle or split each block), each in its thread's part of scratch (decode_layers' scores: a part
+ * of Smax x 16 floats for each thread); one sequence takes ONE. Every row's numbers are those it gets alone (but for
+ * a NaN score, which only a broken model gives: alone, past SPLIT_KEYS, its blocks may be split, and then its
+ * maxima can differ: see ATTEND). */
 #define ATTEND_SEQS(NAME, TYPE, ONE, BLOCK)                                                                          \
     static void NAME(const seq_t *seqs, long nseq, int l, const TYPE *q, TYPE *out, long Hq, long Hkv, long D,       \
                      float scale, float *scratch, int threads) {                                                     \
-        long G = Hq / Hkv, first[nseq + 1], blocks[nseq], most = 0, keys = 0;                                        \
+        long G = Hq / Hkv, first[nseq + 1], blocks[nseq], keys = 0;                                                  \
         first[0] = 0;                                                                                                \
         for (long s = 0; s < nseq; s++) { /* block it of sequence s: first[s] <= it < first[s + 1] */                \
             blocks[s] = (G * seqs[s].T + 15) / 16, first[s + 1] = first[s] + Hkv * blocks[s];                        \
-            long S = seqs[s].start + seqs[s].T;                                                                      \
-            most = seqs[s].T > most ? seqs[s].T : most, keys = S > keys ? S : keys;                                  \
+            keys = seqs[s].start + seqs[s].T > keys ? seqs[s].start + seqs[s].T : keys;                              \
         }                                                                                                            \
-        if (nseq == 1 || threads > Hkv * ((G * most + 15) / 16)) {                                                   \
-            for (long s = 0; s < nseq; s++)                                                                          \
-                ONE(seqs + s, l, q + seqs[s].r0 * Hq * D, out + seqs[s].r0 * Hq * D, Hq, Hkv, D, scale, scratch,     \
-                    threads);                                                                                        \
+        if (nseq == 1) {                                                                                             \
+            ONE(seqs, l, q + seqs->r0 * Hq * D, out + seqs->r0 * Hq * D, Hq, Hkv, D, scale, scratch, threads);       \
             return;                                                                                                  \
         }                                                                                                            \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                        \
@@ -1135,8 +1133,9 @@ static void attend_seqs_q8(const seq_t *seqs, long nseq, int l, const uint16_t *
  *   cache and its new slots under its mask; products and norms take all T rows at once, each row computed alone, so a
  *   row's values do not depend on the sequences beside it); x [T, H], the residual stream, updated in place. cos, sin:
  *   [T, D] (HF's rotary for the rows' positions). work: scratch of T * (2H + (Hq + 2Hkv)D + 2 Hq D + 3I) values;
- *   scores: the attention's scratch for the longest sequence's start + T keys; queries: NULL, or [L, T, Hq, D] for each
- *   layer's rotated queries (the self-drafter's KV importance reads them). */
+ *   scores: the attention's scratch, max(Hkv * ceil(G * Tmax / 16), threads) x Smax x 16 floats (Tmax: the most rows
+ *   of a sequence, Smax: the most keys; cpu_kernels.py attend_scratch); queries: NULL, or [L, T, Hq, D] for each layer's
+ *   rotated queries (the self-drafter's KV importance reads them). */
 #define LAYERS(SUFFIX, TYPE, LOAD, STORE, ROUND, GEMV, ATTEND_FN)                                                  \
     static void rms_norm_##SUFFIX(const TYPE *x, const TYPE *w, TYPE *out, long T, long H, float eps) {            \
         for (long t = 0; t < T; t++) {                                                                             \

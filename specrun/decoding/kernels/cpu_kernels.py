@@ -38,7 +38,7 @@ class CpuKernels:
                           + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
             f.restype = None
         # called by kv_codes.KVCodes, which owns the int8 copy they read and write
-        self.attend_split_q8 = lib.attend_split_q8  # the quantized self-drafter's (decode_layers_q4 calls it too)
+        self.attend_split_q8 = lib.attend_split_q8  # the quantized self-drafter's (decode_layers_q4: its parts)
         self.attend_split_q8.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
                                          + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
         self.attend_split_q8.restype = ctypes.c_int
@@ -159,10 +159,11 @@ class CpuKernels:
         return y
 
     @staticmethod
-    def attend_scratch(T: int, Hq: int, Hkv: int, start: int) -> torch.Tensor:
-        """attend's float32 scores for T rows after `start` slots: 16 rows (lanes) a block per KV head."""
+    def attend_scratch(T: int, Hq: int, Hkv: int, start: int, threads: int = 1) -> torch.Tensor:
+        """attend's float32 scores for T rows after `start` slots: 16 rows (lanes) a block per KV head, and at least
+        a block's for each of `threads` (decode_layers: a part for each thread)."""
         blocks = -(-(Hq // Hkv) * T // 16)
-        return torch.empty((Hkv * blocks, start + T, 16), dtype=torch.float32)
+        return torch.empty((max(Hkv * blocks, threads), start + T, 16), dtype=torch.float32)
 
     @staticmethod
     def attends(head_dim: int, n_q: int, n_kv: int) -> bool:
