@@ -1045,6 +1045,13 @@ int attend_split_q8(const uint16_t *q, const uint8_t *q8, long capT, const uint8
     }
 ATTEND_SEQ(attend_seq_bf16, uint16_t, attend_bf16)
 ATTEND_SEQ(attend_seq_f32, float, attend_f32)
+/* the sequence that item it belongs to, where sequence s's items are [first[s], first[s + 1]) */
+static inline long owner(const long *first, long it) {
+    long s = 0;
+    while (first[s + 1] <= it) s++;
+    return s;
+}
+
 /* Every sequence's attention at layer l in decode_layers (their K/V just written; sequence s's rows from r0). Several
  * sequences' blocks are the threads' items together (a batched step's sequences have 3 blocks each on smollm2: alone
  * they leave a thread idle or split each block), each in its thread's part of scratch (decode_layers' scores: a part
@@ -1066,8 +1073,7 @@ ATTEND_SEQ(attend_seq_f32, float, attend_f32)
         }                                                                                                            \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                        \
         for (long it = 0; it < first[nseq]; it++) {                                                                  \
-            long s = 0;                                                                                              \
-            while (first[s + 1] <= it) s++;                                                                          \
+            long s = owner(first, it);                                                                               \
             const seq_t *sq = seqs + s;                                                                              \
             BLOCK(q + sq->r0 * Hq * D, (const TYPE *)sq->k + l * sq->layer_stride,                                   \
                   (const TYPE *)sq->v + l * sq->layer_stride, sq->cap, sq->mask, out + sq->r0 * Hq * D, sq->T, Hq, Hkv,\
@@ -1102,16 +1108,14 @@ static void attend_seqs_q8(const seq_t *seqs, long nseq, int l, const uint16_t *
     float *part = first[nseq] ? (float *)malloc(first[nseq] * per * sizeof(float)) : NULL;
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (long it = 0; it < (part ? first[nseq] : 0); it++) {
-        long s = 0;
-        while (first[s + 1] <= it) s++;
+        long s = owner(first, it);
         const seq_t *sq = seqs + s;
         q8_item(q + sq->r0 * Hq * D, codes[s], sq->q8_cap, sq->mask, sq->T, Hq, Hkv, D, sq->start, scale,
                 it - first[s], blocks[s], chunks[s], part + it * per);
     }
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (long it = 0; it < (part ? first_rb[nseq] : 0); it++) {
-        long s = 0;
-        while (first_rb[s + 1] <= it) s++;
+        long s = owner(first_rb, it);
         merge_block(part + first[s] * per, chunks[s], per, out + seqs[s].r0 * Hq * D, G * seqs[s].T, it - first_rb[s],
                     blocks[s], G, Hq, D);
     }

@@ -1,6 +1,6 @@
 """Our own CPU kernels (cpu_kernels.c, AVX-512 BF16): bf16 and float32 linear layers, attention and whole decoder
-layers (and the quantized self-drafter's 4-bit products and layers, its head's rescoring), the argmax / top-k of float32 logits rows,
-and sampled tokens (penalty, temperature, min-p, Gumbel-max), compiled once (kernel_build.py).
+layers (the quantized self-drafter's too, and its head's rescoring), the argmax / top-k of float32 logits rows, and
+sampled tokens (penalty, temperature, min-p, Gumbel-max), compiled once (kernel_build.py).
 
 cpu_kernels() -> CpuKernels | None: None where they cannot run (no avx512_bf16, no C compiler, SPECRUN_CPU_KERNELS=0,
 a failed build); callers keep torch's path then. The library is built into the specrun cache, atomically.
@@ -134,9 +134,7 @@ class CpuKernels:
         assert coarse.dtype == h.dtype == rows.dtype == torch.bfloat16 and rows.is_contiguous() \
             and h.shape[0] == B == len(counts) == len(thetas) == len(belows) and rows.shape == (V, H) \
             and H % 32 == 0 and all(t > 0.0 for t in thetas), (coarse.shape, h.shape, rows.shape, thetas)
-        assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in counts)
-        out, n = torch.empty((B, V), dtype=torch.float32), (ctypes.c_long * B)()
-        table = None if all(c is None for c in counts) else (ctypes.c_void_p * B)(*[ptr(c) for c in counts])
+        out, n, table = torch.empty((B, V), dtype=torch.float32), (ctypes.c_long * B)(), counts_table(counts, V)
         self._rescore(coarse.data_ptr(), B, V, table, h.data_ptr(), rows.data_ptr(), H, (ctypes.c_float * B)(*thetas),
                       (ctypes.c_float * B)(*belows), out.data_ptr(), n, torch.get_num_threads())
         return out, list(n)
@@ -155,7 +153,7 @@ class CpuKernels:
         assert b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.numel() == n), "bias: float32 [n]"
         y = torch.empty((M, n), dtype=torch.bfloat16)
         self._gemv_q4[int8_inputs](x.data_ptr(), packed.data_ptr(), ptr(b), y.data_ptr(), M, n, K,
-                                        torch.get_num_threads())
+                                   torch.get_num_threads())
         return y
 
     @staticmethod
@@ -214,12 +212,11 @@ class CpuKernels:
 
         # logits: [T, V] float32, counts[t]: [V] int32 or None, positions: [T] long -> choice [T] long, processed [T, V]
         """
-        logits, positions, each = logits.contiguous(), positions.contiguous(), counts
+        logits, positions = logits.contiguous(), positions.contiguous()
         T, V = logits.shape
         assert logits.dtype == torch.float32 and positions.dtype == torch.long and positions.shape == (T,)
-        assert len(each) == len(seeds) == T
-        assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in each)
-        table = (ctypes.c_void_p * T)(*[ptr(c) for c in each]) if any(c is not None for c in each) else None
+        assert len(counts) == len(seeds) == T
+        table = counts_table(counts, V)
         halves = (ctypes.c_uint64 * (2 * T))(*[h for s in seeds for h in (s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF)])
         rows = cols = vals = None
         if table is not None and patches is not None and patches[0].numel():
@@ -258,6 +255,12 @@ class CpuKernels:
 def ptr(t: torch.Tensor | None) -> int | None:
     """t's data pointer for a kernel argument, None (NULL) for None"""
     return None if t is None else t.data_ptr()
+
+
+def counts_table(counts: list, V: int):
+    """Each row's [V] int32 counts as a kernel's table of pointers (NULL for a row without), None if no row has any."""
+    assert all(c is None or (c.dtype == torch.int32 and c.is_contiguous() and c.shape == (V,)) for c in counts)
+    return None if all(c is None for c in counts) else (ctypes.c_void_p * len(counts))(*[ptr(c) for c in counts])
 
 
 TOPK_MAX = 64  # topk_f32 keeps a row's candidates in a fixed array of this size
