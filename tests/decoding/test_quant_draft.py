@@ -84,7 +84,7 @@ def test_quantize_and_the_product_agree_with_float64(n, k):
 def _on_int8_grid(x, q, d, m):
     """gemv_q4_q8's product in float64: each row's inputs coded per group of 32 (scale max |x| / 127, float32's own
     quotient, to nearest even), their codes times the weights' codes summed exactly, times both scales; the minimums
-    times the inputs themselves.
+    times the coded inputs too (the weights times the inputs on their grid).
 
     # x: [R, K] bf16, q: [N, K], d, m: [N, K / 32] -> [R, N] float64
     """
@@ -93,7 +93,7 @@ def _on_int8_grid(x, q, d, m):
     codes = (xg * torch.where(top > 0, (127 / top.double()).float(), 0)).round()
     scale = (top / 127)[..., 0].double()
     return (torch.einsum("rgk,ngk,rg,ng->rn", codes.double(), q.view(q.shape[0], -1, 32), scale, d)
-            + torch.einsum("rgk,ng->rn", xg.double(), m))
+            + torch.einsum("rgk,rg,ng->rn", codes.double(), scale, m))
 
 
 def test_quantize_recovers_weights_already_on_its_grid():

@@ -37,6 +37,14 @@ static inline __attribute__((always_inline)) void store_block_bf16(const __m512 
     }
 }
 
+/* acc + w . (the bf16 pair at p, in every lane): vdpbf16ps with its pair broadcast from memory inside the instruction
+ * ({1to16}), which compilers do not emit for _mm512_set1_epi32: one instruction a row instead of two */
+typedef int32_t __attribute__((may_alias)) pair_t;  /* two bf16 read as one (the asm's memory operand) */
+static inline __attribute__((always_inline)) __m512 dot_pair(__m512 acc, __m512bh w, const uint16_t *p) {
+    __asm__("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const pair_t *)p), "v"(w));
+    return acc;
+}
+
 /* Weights are packed once (cpu_kernels.py pack) as [ceil(N/16), K/2, 16, 2]: block nb, pair kp holds, for its 16
  * output columns, the weights of inputs 2kp and 2kp+1, so one 64-byte load feeds vdpbf16ps against a broadcast pair of
  * x: the 16 lanes are 16 outputs and no horizontal sums are needed. Memory-bound for a few rows (the packed weights are
@@ -49,11 +57,7 @@ static inline __attribute__((always_inline)) void store_block_bf16(const __m512 
         for (int kp = 0; kp < K / 2; kp++) {                                                                       \
             if (MB > 1) _mm_prefetch((const char *)(pb + kp * 32) + PREFETCH, _MM_HINT_T0);                        \
             __m512bh w = (__m512bh)_mm512_loadu_si512(pb + kp * 32);                                               \
-            for (int m = 0; m < MB; m++) {                                                                         \
-                int32_t pair;                                                                                      \
-                __builtin_memcpy(&pair, x + (long)m * K + 2 * kp, 4);                                              \
-                acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));                           \
-            }                                                                                                      \
+            for (int m = 0; m < MB; m++) acc[m] = dot_pair(acc[m], w, x + (long)m * K + 2 * kp);                   \
         }                                                                                                          \
         store_block_bf16(acc, MB, b, y, N, n0);                                                                    \
     }
@@ -670,13 +674,8 @@ static inline __m512 round16_f32(__m512 v) { return v; }  /* float32 ops round t
                 __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, low), bits);                               \
                 __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bits);                                \
                 long k0 = (long)g * QG + c * 4;                                                                        \
-                for (int m = 0; m < MB; m++) {                                                                         \
-                    int32_t p0, p1;                                                                                    \
-                    __builtin_memcpy(&p0, x + (long)m * K + k0, 4);                                                    \
-                    __builtin_memcpy(&p1, x + (long)m * K + k0 + 2, 4);                                                \
-                    part[m] = _mm512_dpbf16_ps(part[m], w0, (__m512bh)_mm512_set1_epi32(p0));                          \
-                    part[m] = _mm512_dpbf16_ps(part[m], w1, (__m512bh)_mm512_set1_epi32(p1));                          \
-                }                                                                                                      \
+                for (int m = 0; m < MB; m++)                                                                           \
+                    part[m] = dot_pair(dot_pair(part[m], w0, x + (long)m * K + k0), w1, x + (long)m * K + k0 + 2);     \
             }                                                                                                          \
             const __m256i *dm = (const __m256i *)(pg + QG * 8);                                                        \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(dm));                                                        \
@@ -714,9 +713,16 @@ void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, 
 /* The same 4-bit products with each row's inputs on an int8 grid per group of QG (scale max |x| / 127, codes rounded
  * to nearest even): the code bytes as u8 against the s8 inputs, 4 products a lane (vpdpbusd: a 16-bit word of codes,
  * zero-extended to its lane, holds inputs 4c, 4c + 1 in its low nibbles and 4c + 2, 4c + 3 in its high ones), each
- * group's exact int32 sum scaled once: acc += (d * s) * sum(q c) + m * sum(x). Half the instructions of gemv_q4 but
- * ~1% error on the inputs: the drafter's coarse LM head (rescoring gives its candidates the model's own logits),
- * not its layers (where that error cost ~8% of smollm2's drafted tokens). */
+ * group's exact int32 sum scaled once: acc += (d * s) * sum(q c) + (m * s) * sum(c). The minimums take the coded inputs
+ * too, so this is the weights times the inputs on their grid and a weight's error enters centred (llama.cpp's Q8_1
+ * sums; m times the inputs themselves leaves d * sum(q (x - s c)), q in 0 .. 15: ~2x the error). Half the
+ * instructions of gemv_q4 but ~1% error on the inputs: the drafter's coarse LM head (rescoring gives its candidates
+ * the model's own logits), not its layers (the drafted tokens it loses there cost more than it saves). */
+/* acc + w . (the 4 int8 at p, in every lane): vpdpbusd, w's bytes unsigned, p's signed, broadcast as dot_pair's */
+static inline __attribute__((always_inline)) __m512i dot_quad(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const pair_t *)p), "v"(w));
+    return acc;
+}
 #define BLOCKQ8(MB)                                                                                                    \
     static inline __attribute__((always_inline)) void blockq8_##MB(const int8_t *x, const uint8_t *pb,                \
                                                                    const float *xs, const float *sx, const float *b,   \
@@ -735,11 +741,7 @@ void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, 
                 /* low | (u << 12 & high): lane bytes = inputs 4c .. 4c + 3 */                                         \
                 __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(u, low), _mm512_slli_epi32(u, 12), high, 0xF8); \
                 long k0 = (long)g * QG + c * 4;                                                                        \
-                for (int m = 0; m < MB; m++) {                                                                         \
-                    int32_t p0;                                                                                        \
-                    __builtin_memcpy(&p0, x + (long)m * K + k0, 4);                                                    \
-                    part[m] = _mm512_dpbusd_epi32(part[m], w, _mm512_set1_epi32(p0));                                  \
-                }                                                                                                      \
+                for (int m = 0; m < MB; m++) part[m] = dot_quad(part[m], w, x + (long)m * K + k0);                     \
             }                                                                                                          \
             const __m256i *dm = (const __m256i *)(pg + QG * 8);                                                        \
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(dm));                                                        \
@@ -754,9 +756,11 @@ void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, 
     }
 BLOCKQ8(1) BLOCKQ8(2) BLOCKQ8(3) BLOCKQ8(4) BLOCKQ8(5) BLOCKQ8(6) BLOCKQ8(7) BLOCKQ8(8)
 
-/* s: 16 inputs' codes at c (x * inv, to nearest even; |x| <= top codes within +-127) */
-static inline void q8_inputs(__m512 x, __m512 inv, int8_t *c) {
-    _mm_storeu_si128((__m128i *)c, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv))));
+/* s: 16 inputs' codes at c (x * inv, to nearest even; |x| <= top codes within +-127); returns the codes' sum */
+static inline int q8_inputs(__m512 x, __m512 inv, int8_t *c) {
+    __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));
+    _mm_storeu_si128((__m128i *)c, _mm512_cvtsepi32_epi8(codes));
+    return _mm512_reduce_add_epi32(codes);
 }
 
 /* gemv_q4's y = x W^T (+ b) through blockq8: each row's inputs coded per group (xq), with the group's scale (sx) and
@@ -775,10 +779,9 @@ void gemv_q4_q8(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *
                 __m512 a = load16(r, 0xffff), c = load16(r + 16, 0xffff);
                 float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
                 __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-                xs[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
                 sx[m * G + g] = top / 127.0f;
-                q8_inputs(a, inv, xq + m * K + g * QG);
-                q8_inputs(c, inv, xq + m * K + g * QG + 16);
+                int codes = q8_inputs(a, inv, xq + m * K + g * QG) + q8_inputs(c, inv, xq + m * K + g * QG + 16);
+                xs[m * G + g] = sx[m * G + g] * (float)codes;
             }
         _Pragma("omp parallel for schedule(static) num_threads(threads)")
         for (int nb = 0; nb < blocks; nb++)
