@@ -30,7 +30,7 @@ from specrun.decoding.verify.trie import Draft, DraftContext
 # the LM head in 4 bits, on int8 inputs, finds the candidates (the tokens min-p could keep, HEAD_MARGIN wide for its
 # error) and the model's own bf16 rows score them (rescore_bf16): AR's head for what can be drafted at a fraction of its
 # cost (the 4-bit head's own logits moved AR's sampled token: docs/benchmarks.md)
-HEAD_MARGIN = 2.5  # logits: the coarse head errs by up to ~2.4 on smollm2's 200 best (a row's worst: median 1.26);
+HEAD_MARGIN = 2.5  # logits: the coarse head errs by up to ~2.2 on smollm2's 200 best (a row's worst: median 1.28);
 # margins of 1.5-5.0 drafted alike
 GUMBEL_SPAN = 12.0  # no min-p: tokens this far (x temperature) below the best are drafted never (odds ~e^-12)
 MAX_CHAIN = 15  # drafted tokens a step at most: each is a forward (the tuner picks the width below this)

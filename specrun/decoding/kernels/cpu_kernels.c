@@ -710,6 +710,12 @@ void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, 
     }
 }
 
+/* acc + w . (the 4 int8 at p, in every lane): vpdpbusd, w's bytes unsigned, p's signed, broadcast as dot_pair's */
+static inline __attribute__((always_inline)) __m512i dot_quad(__m512i acc, __m512i w, const int8_t *p) {
+    __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const pair_t *)p), "v"(w));
+    return acc;
+}
+
 /* The same 4-bit products with each row's inputs on an int8 grid per group of QG (scale max |x| / 127, codes rounded
  * to nearest even): the code bytes as u8 against the s8 inputs, 4 products a lane (vpdpbusd: a 16-bit word of codes,
  * zero-extended to its lane, holds inputs 4c, 4c + 1 in its low nibbles and 4c + 2, 4c + 3 in its high ones), each
@@ -717,12 +723,7 @@ void gemv_q4(const uint16_t *x, const uint16_t *p, const float *b, uint16_t *y, 
  * too, so this is the weights times the inputs on their grid and a weight's error enters centred (llama.cpp's Q8_1
  * sums; m times the inputs themselves leaves d * sum(q (x - s c)), q in 0 .. 15: ~2x the error). Half the
  * instructions of gemv_q4 but ~1% error on the inputs: the drafter's coarse LM head (rescoring gives its candidates
- * the model's own logits), not its layers (the drafted tokens it loses there cost more than it saves). */
-/* acc + w . (the 4 int8 at p, in every lane): vpdpbusd, w's bytes unsigned, p's signed, broadcast as dot_pair's */
-static inline __attribute__((always_inline)) __m512i dot_quad(__m512i acc, __m512i w, const int8_t *p) {
-    __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const pair_t *)p), "v"(w));
-    return acc;
-}
+ * the model's own logits), not its layers (the drafted tokens it loses there cost what it saves). */
 #define BLOCKQ8(MB)                                                                                                    \
     static inline __attribute__((always_inline)) void blockq8_##MB(const int8_t *x, const uint8_t *pb,                \
                                                                    const float *xs, const float *sx, const float *b,   \
