@@ -12,6 +12,7 @@ import ctypes
 import functools
 import math
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -283,7 +284,7 @@ def topk_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), by our kernel for CPU float32 rows where the kernels load (the same indices; torch's CPU argmax
-    took 78 us a 49,152-wide row here, 2.6 ms for 64). # x: [T, V] -> [T] long"""
+    is slow on vocabulary-wide rows: docs/benchmarks.md). # x: [T, V] -> [T] long"""
     kernels = row_kernels(x)
     return x.argmax(dim=-1) if kernels is None else kernels.argmax(x)
 
@@ -296,7 +297,5 @@ def cpu_kernels() -> CpuKernels | None:
     try:
         return CpuKernels(build(SOURCE, cache_root() / "kernels"))
     except (RuntimeError, OSError) as e:
-        import warnings
-
         warnings.warn(f"specrun's CPU kernels are off ({e}); bf16 linears use oneDNN, the rest torch", stacklevel=2)
         return None
