@@ -14,7 +14,6 @@ AUTO_MAX = {"cpu": 16, "cuda": 16}  # --concurrency auto never goes past: per-st
 CUDA_RESERVE = 0.10  # of the GPU's total memory, kept for activations, logits and the allocator's slack
 CPU_SHARE = 0.5  # of the memory available now, split between the CPU workers (the rest: the OS, the driver, Ray)
 GiB = 2**30
-CUDA_PAGE_SIZE = 16  # KV page of an engine of several sequences on GPUs (flashinfer's paged kernels)
 
 
 def kv_budget_bytes(device: str, workers: int, cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -92,7 +91,9 @@ def kv_need(longest: int, trie_budget: int) -> int:
 
 def page_size_for(device: str, need: int) -> int:
     """CPU: one page per sequence, so attention reads its keys in place as a solo run does; CUDA: flashinfer's pages."""
-    return need if device == "cpu" else CUDA_PAGE_SIZE
+    from specrun.decoding.config import BatchConfig
+
+    return BatchConfig(kv_tokens=need).page_tokens(device)
 
 
 def concurrency_for(lm, config, cap: int, need: int, device: str, workers: int = 1, auto: bool = True) -> int:

@@ -28,6 +28,8 @@ from specrun.decoding.forward.attention import check_backend
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import check_paged_backend
 
+CUDA_PAGE_SIZE = 16  # KV page of an engine of several sequences on GPUs (flashinfer's paged kernels)
+
 # compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all, where
 # the first compile on a machine (~1-3 minutes) pays (docs/benchmarks.md); a cached one loads at once
 COMPILE_DRAFT_TOKENS = 4096
@@ -177,14 +179,21 @@ class BatchConfig:
 
     concurrency: int = 1  # most sequences in one step
     kv_tokens: int = 65536  # KV slots in the pool of several (the memory budget); admission never over-commits it
-    page_size: int = 1  # P = 1: committing accepted nodes is a page-table edit
+    page_size: int | None = None  # tokens a KV page; None: by device (page_tokens). P = 1: a commit edits the table
     backend: str = "auto"  # paged_attention.PAGED_BACKENDS, or auto (resolve_backend: by dtype and device)
 
     def __post_init__(self):
         for name in ("concurrency", "kv_tokens", "page_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         check_paged_backend(self.backend)
+
+    def page_tokens(self, device: str) -> int:
+        """page_size, or where None: on the CPU one page a sequence (the pool's share of each), which our kernels'
+        attention and the 4-bit draft read in place; on GPUs CUDA_PAGE_SIZE, flashinfer's pages."""
+        if self.page_size is not None:
+            return self.page_size
+        return -(-self.kv_tokens // self.concurrency) if device == "cpu" else CUDA_PAGE_SIZE
 
 
 @dataclass

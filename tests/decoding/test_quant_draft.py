@@ -320,11 +320,13 @@ def test_an_off_grid_model_still_gets_its_own_output(model_dir, path, dtype):
 def test_where_it_cannot_run_auto_leaves_it_out_and_asking_for_it_says_why(model_dir, tmp_path):
     lm = load_model(str(model_dir), dtype="float32")
     assert quantized(FusedDecoder.of(lm.model)) is not None  # torch's kernels take float32 models too
-    # an engine of several drafts with it where each sequence's K/V is one page (the CPU's layout), not over pages of 1
+    # an engine of several drafts with it where each sequence's K/V is one page (the CPU's layout, and the default
+    # there), not over pages of 1
     assert "quant" in Engine(lm, EngineConfig(), BatchConfig(concurrency=2, page_size=256, kv_tokens=512)).names
-    assert "quant" not in Engine(lm, EngineConfig(), BatchConfig(concurrency=2)).names
+    assert "quant" in Engine(lm, EngineConfig(), BatchConfig(concurrency=2, kv_tokens=512)).names
+    assert "quant" not in Engine(lm, EngineConfig(), BatchConfig(concurrency=2, page_size=1)).names
     with pytest.raises(ValueError, match="one KV page a sequence"):
-        Engine(lm, EngineConfig(drafters=("quant",)), BatchConfig(concurrency=2))
+        Engine(lm, EngineConfig(drafters=("quant",)), BatchConfig(concurrency=2, page_size=1))
     odd = load_model(str(build_tiny_model(tmp_path / "odd", hidden=48, heads=2, kv_heads=1, layers=1, seed=1)))
     assert quantized(FusedDecoder.of(odd.model)) is None  # inputs of 48: not groups of 32
     assert "quant" not in Engine(odd, EngineConfig()).names
