@@ -36,8 +36,8 @@ def describe_os_error(e: OSError) -> str:
     """One line: what failed, on which file, and what it means for the job."""
     where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
     what = f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e.strerror or e}"
-    hint = {errno.ENOSPC: "free some space, then run the command again (checkpointed tokens are kept)",
-            errno.EDQUOT: "free some space, then run the command again (checkpointed tokens are kept)",
+    hint = {errno.ENOSPC: "free some space, then run the command again (a job keeps its checkpointed tokens)",
+            errno.EDQUOT: "free some space, then run the command again (a job keeps its checkpointed tokens)",
             errno.EROFS: "the file system is read-only; `specrun status` and `specrun export` still read a job there",
             errno.EACCES: "check the permissions", errno.EPERM: "check the permissions"}.get(e.errno)
     return what + (f" ({hint})" if hint else "")

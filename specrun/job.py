@@ -108,12 +108,13 @@ def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPar
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if not isinstance(prompts, (str, os.PathLike, list, tuple)):
         raise PromptError(f"prompts must be a prompts file's path or a list of prompts, got {type(prompts).__name__}")
+    check_settings(job_dir, model, dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds)
     try:
         info = model_info(model, trust_remote_code, rope_scaling)
         dtype = resolve_dtype(dtype, model, device)  # stored resolved: a resume computes in the same dtype anywhere
-        settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds, rope_scaling)
     except (ValueError, OSError) as e:
         raise ModelError(f"cannot load model {model!r}: {e}") from e
+    settings = JobSettings(dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds, rope_scaling)
     if info.is_demo:
         notice(DEMO_NOTICE)
     engine = drafting_config(drafting)
@@ -130,6 +131,45 @@ def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPar
     out = Job(job.root, created)
     out.model_path = info.path  # where the model is now (the job may have been made with it elsewhere)
     return out
+
+
+def check_settings(job_dir, model, dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds) -> None:
+    """ConfigError naming the first of a job's own settings that no run could use, before anything is written."""
+    from specrun.jobs.runopts import check_checkpoint, check_device
+    from specrun.models.loader import AUTO_DTYPE, DTYPES
+
+    if job_dir is not None and not isinstance(job_dir, (str, os.PathLike)):
+        raise ConfigError(f"job_dir={job_dir!r} must be a path or an object-store URI (or None: the default)")
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model={model!r} must be a model directory, 'smollm2' or 'demo'")
+    if dtype != AUTO_DTYPE and dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r}; expected auto or one of {', '.join(DTYPES)}")
+    if device is None:
+        raise ConfigError("device=None; expected cpu or cuda")
+    check_remote_code_flag(trust_remote_code)
+    try:
+        check_device(device)
+        check_checkpoint(checkpoint_every, checkpoint_seconds)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_hot_start(options: RunOptions) -> RunOptions:
+    """A local --hot-start folder without a job.json would warm nothing and say nothing (ConfigError)."""
+    for loc in options.hot_start:
+        if "://" not in str(loc) and not (Path(os.fspath(loc)) / "job.json").is_file():
+            raise ConfigError(f"hot_start: {os.fspath(loc)!r} is not a specrun job (no job.json)")
+    return options
+
+
+def check_remote_code_flag(trust_remote_code) -> None:
+    """Only True allows a model's own Python code: a string such as 'no' must not (ConfigError)."""
+    from specrun.models.loader import check_trust
+
+    try:
+        check_trust(trust_remote_code)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class _prompts_file:
@@ -181,8 +221,12 @@ def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPara
     prompts and settings again resumes the job."""
     from specrun.llm import drafting_config
 
+    own = sorted(set(run_options) & {"model_path", "device", "engine", "checkpoint_every", "checkpoint_seconds"})
+    if own:  # submit's own arguments (drafting is the engine), not a run's
+        raise ConfigError(f"submit() takes {', '.join(own)} as its own argument(s)"
+                          f"{' (the engine as drafting=)' if 'engine' in own else ''}, not as run options")
     try:  # the run's options checked before the job is written (Job.run's own keywords aside)
-        RunOptions(**{k: v for k, v in run_options.items() if k not in ("options", "view")})
+        check_hot_start(RunOptions(**{k: v for k, v in run_options.items() if k not in ("options", "view")}))
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     job = prepare(prompts, job_dir, model=model, sampling=sampling, drafting=drafting, dtype=dtype, device=device,
@@ -196,6 +240,7 @@ def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPara
 def reopen(job_dir, model_path: str | None = None, trust_remote_code: bool = False) -> tuple[Job, str | None]:
     """(the existing job, the model's path to run it with): model_path, a new location of the job's model, must have
     its fingerprint; trust_remote_code must be given again for a job that uses it."""
+    check_remote_code_flag(trust_remote_code)
     job = Job(job_dir)
     manifest = job.dir.manifest()
     remote_code = check_remote_code(manifest, trust_remote_code, job.root)
@@ -218,5 +263,9 @@ def resume(job_dir, *, model_path: str | None = None, trust_remote_code: bool = 
     """Continue an interrupted job from its checkpoints (failed prompts are retried), here, to the end. run_options:
     RunOptions fields; device, engine (an EngineConfig), checkpoint_every/seconds replace the job's for this run."""
     job, path = reopen(job_dir, model_path, trust_remote_code)
-    job.run(model_path=path, **run_options)
+    try:
+        options = check_hot_start(RunOptions(**{"quiet": True, **run_options, "model_path": path}))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    job.run(options)
     return job

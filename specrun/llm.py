@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ class Stream:
 
         self._llm, self._ids, self._params, self._id = llm, ids, params, pid
         self._steps = llm._solo().steps(ids, params)
+        llm._reading = weakref.ref(self)  # the one stream of this LLM until it ends, is closed or is dropped
         self._text = TextDeltas(llm.tokenizer, params)
         self.output: Output | None = None
         self._closed = False
@@ -95,6 +97,11 @@ class Stream:
         """Stop the generation here (`output` stays None): the LLM is free again for generate() and stream()."""
         self._closed = True
         self._steps.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._llm._reading is not None and self._llm._reading() is self:
+            self._llm._reading = None
 
     def __next__(self) -> Delta:
         if self.output is not None or self._closed:
@@ -102,11 +109,15 @@ class Stream:
         try:
             emitted = self._steps.send(None)  # None: go on (True would stop the generation)
         except StopIteration as end:
+            self._release()
             self.output = self._llm._output(self._ids, self._params, end.value, self._id)
             tail = self._text.finish()
             if tail:
                 return Delta([], tail)
             raise StopIteration from None
+        except BaseException:  # the generation failed (or was interrupted): the LLM is free for the next one
+            self._release()
+            raise
         return Delta(list(emitted), self._text.push(emitted))
 
 
@@ -138,6 +149,7 @@ class LLM:
         self.max_concurrency = max_concurrency
         self._engine = None  # the engine of one prompt at a time, built once: its matrix learns across prompts
         self._batch = None  # the engine of several prompts at once, kept for later calls its slots and pages hold
+        self._reading = None  # weakref to the stream being read, if any (one at a time: they share the engine)
         if self.lm.is_demo:
             warnings.warn(DEMO_NOTICE, stacklevel=2)
 
@@ -185,7 +197,8 @@ class LLM:
     def _solo(self):
         """The one-sequence engine, for a new generation: refused while a stream holds it (the generation would step
         the stream's sequence too)."""
-        if self._engine is not None and self._engine.active:
+        reading = self._reading() if self._reading is not None else None
+        if (self._engine is not None and self._engine.active) or reading is not None:
             raise SpecrunError("a stream of this LLM is still being read: read it to its end, or close() it, before "
                                "another generate() or stream() on this LLM (or use a second LLM)")
         if self._engine is None:

@@ -60,6 +60,8 @@ class Processor:
     map_batches_kwargs: dict = field(default_factory=dict)
 
     def __call__(self, ds):
+        if not hasattr(ds, "map_batches"):
+            raise ConfigError(f"a processor runs over a ray.data.Dataset, got {type(ds).__name__}")
         return ds.map_batches(_Generate, **self.map_batches_kwargs)
 
 
@@ -74,6 +76,7 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r}: give a whole number of 1 or more")
+    _check_actor_settings(model, sampling, drafting, dtype, device, num_gpus, num_cpus)
     columns = Columns(prompt_column, messages_column, id_column)
     columns.mapping([c for c in (prompt_column, messages_column, id_column) if c] or ["prompt"])  # checks the choice
     return Processor({
@@ -85,3 +88,28 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
             max(1, (os.cpu_count() or 1) // concurrency) if device == "cpu" else 1),
         "runtime_env": {"env_vars": worker_env()},  # the job workers' malloc arenas (actors/pool.py)
     })
+
+
+def _check_actor_settings(model, sampling, drafting, dtype, device, num_gpus, num_cpus) -> None:
+    """ConfigError naming what every actor would fail to load with, here rather than as Ray's ActorDiedError later."""
+    from specrun.jobs.runopts import check_device
+    from specrun.llm import drafting_config
+    from specrun.models.loader import AUTO_DTYPE, DTYPES
+
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model={model!r} must be a model directory, 'smollm2' or 'demo'")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    drafting_config(drafting)
+    if dtype != AUTO_DTYPE and dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r}; expected auto or one of {', '.join(DTYPES)}")
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if device is None:
+        raise ConfigError("device=None; expected cpu or cuda")
+    for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+                                  or value == float("inf")):
+            raise ConfigError(f"{name}={value!r} must be a finite number >= 0 (or None: the default)")

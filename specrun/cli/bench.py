@@ -86,11 +86,15 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
         run_bench,
         select_runs,
     )
-    from specrun.cli.generate import encode_prompt, load_for_cli
+    from specrun.cli.generate import encode_prompt, load_for_cli, read_prompt
 
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+    if levels is not None and lengths:
+        raise click.UsageError("--lengths measures one prompt's curve; it does not combine with --concurrency")
+    if levels is None and batch_attention != "auto":
+        raise click.UsageError("--batch-attention is the attention of --concurrency's batched runs; give --concurrency")
+    text = prompt if prompt is not None else read_prompt(prompt_file)
     if levels is not None:
         from specrun.cli.bench_concurrency import bench_concurrency
 
@@ -143,6 +147,8 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
             planned, llama = [(spec, t) for spec, t in planned if spec.kind != "llama_cpp"], None
         else:
             notes.append(LLAMA_NOTE)
+    if not planned:
+        raise click.ClickException("nothing to run: " + "; ".join(notes))
     notes.append("specrun runs use a fresh Engine each (cold drafters: no recycling state carried between runs)")
 
     def log(msg: str) -> None:

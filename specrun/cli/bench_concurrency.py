@@ -40,6 +40,9 @@ def bench_concurrency(text, levels, backend, max_tokens, repeat, chat, model, dt
     from specrun.models.loader import resolve_dtype
 
     levels = int_list(levels, "--concurrency")
+    if backend == "flashinfer" and not str(device).startswith("cuda"):
+        raise click.BadParameter("flashinfer runs on CUDA; on the CPU take auto, sdpa, dense or paged",
+                                 param_hint="--batch-attention")
     params = sampling_params_from(kw, max_tokens)
     base = engine_config_from(kw)
     configs = concurrency_configs(base, only)

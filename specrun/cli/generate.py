@@ -74,7 +74,8 @@ def encode_prompt(lm, text: str, chat: bool) -> list[int]:
         raise click.ClickException(str(e)) from e
 
 
-def _read_prompt(path: Path) -> str:
+def read_prompt(path: Path) -> str:
+    """--prompt-file's text; BadParameter naming the file and line where it is not UTF-8."""
     try:
         return path.read_text(encoding="utf-8")  # universal newlines, as ever: a CRLF file's tokens unchanged
     except UnicodeDecodeError as e:
@@ -113,7 +114,7 @@ def generate(prompt, prompt_file, max_tokens, chat, model, dtype, device, trust_
     """
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else _read_prompt(prompt_file)
+    text = prompt if prompt is not None else read_prompt(prompt_file)
     params = sampling_params_from(kw, max_tokens)
     llm = open_llm(model, dtype, device, trust_remote_code, engine_config_from(kw), kw.get("rope_scaling"))
     request = chat_prompt(llm.tokenizer, text, chat)

@@ -212,8 +212,10 @@ class Concurrency(click.ParamType):
 
 def int_list(value: str | None, hint: str) -> tuple[int, ...]:
     """"2048,8192" -> (2048, 8192), sorted and unique, each >= 1; BadParameter naming the flag otherwise."""
-    if not value:
+    if value is None:
         return ()
+    if not value.strip(" ,"):
+        raise click.BadParameter(f"{value!r} names no value; give a comma list of integers", param_hint=hint)
     try:
         out = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
     except ValueError as e:

@@ -27,7 +27,10 @@ from specrun.decoding.drafters.self_draft import FusedDrafter, TreeTemplate
 from specrun.decoding.forward.attention import check_backend
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import check_paged_backend
+from specrun.errors import ConfigError
 
+MAX_TRIE_BUDGET = 1024  # most nodes a verify forward may carry (its rows' buffers are sized by it)
+MAX_TREE_NODES = 4096  # most nodes a self-draft tree template may hold
 CUDA_PAGE_SIZE = 16  # KV page of an engine of several sequences on GPUs (flashinfer's paged kernels)
 
 # compile_draft auto: an engine compiles the draft's graph once its generations ask for this many new tokens in all, where
@@ -63,8 +66,19 @@ class EngineConfig:
     # COMPILE_DRAFT_TOKENS new tokens in all; an engine of several sequences drafts with it only compiled: compiles.py)
 
     def __post_init__(self):
+        try:
+            self._check()
+        except (TypeError, ValueError) as e:  # a caller's bad value: a ConfigError (a ValueError) naming it
+            raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from None
+
+    def _check(self):
         if isinstance(self.compile_layers, bool):  # a manifest written before auto: True was --compile
             object.__setattr__(self, "compile_layers", "on" if self.compile_layers else "off")
+        if isinstance(self.drafters, str) or not (self.drafters is None or isinstance(self.drafters, (tuple, list))):
+            raise ValueError(f"drafters={self.drafters!r} must be a tuple of drafter names (None: auto, (): none)")
+        for name in ("drafters", "tree"):  # lists as a caller (or JSON) may give them
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         names = self.drafters if self.drafters is not None else ()
         unknown = [d for d in names if d not in DRAFTER_NAMES]
         if unknown:
@@ -72,15 +86,32 @@ class EngineConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"drafter listed twice in {','.join(names)}")
         for name, value, low in (("trie_budget", self.trie_budget, 1), ("ngram_topk", self.ngram_topk, 0),
-                                 ("prefill_chunk", self.prefill_chunk, 1), ("kv_budget", self.kv_budget, 1)):
+                                 ("prefill_chunk", self.prefill_chunk, 1), ("kv_budget", self.kv_budget, 1),
+                                 ("kv_sinks", self.kv_sinks, 0)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an integer")
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
+        if self.trie_budget > MAX_TRIE_BUDGET:
+            raise ValueError(f"trie_budget={self.trie_budget} must be <= {MAX_TRIE_BUDGET} (nodes one verify forward "
+                             f"carries; the widest drafts use under 100)")
+        if not isinstance(self.adaptive_budget, bool):
+            raise ValueError(f"adaptive_budget={self.adaptive_budget!r} must be True or False")
+        if not isinstance(self.tree, tuple) or not all(isinstance(k, int) and not isinstance(k, bool)
+                                                       for k in self.tree):
+            raise ValueError(f"tree={self.tree!r} must be a tuple of integers, e.g. (1, 3, 3, 3)")
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
         check_backend(self.attention)
         for name, value in (("step_graphs", self.step_graphs), ("compile_draft", self.compile_draft),
                             ("compile_layers", self.compile_layers)):
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"{name}={value!r}; choose from auto, on, off")
+        nodes, level = 1, 1
+        for k in self.tree:  # counted before it is built: (1000, 1000, 1000) would be a billion nodes
+            level *= max(k, 1)
+            nodes += level
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"tree={','.join(map(str, self.tree))} has {nodes:,} nodes; at most {MAX_TREE_NODES:,}")
         TreeTemplate(self.tree)  # validates the tree spec
 
     def draft_compiles(self, asked: int, cached: Callable[[], bool] = lambda: False) -> bool:

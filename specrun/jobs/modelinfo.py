@@ -25,9 +25,10 @@ def model_info(model: str, trust_remote_code: bool = False, rope_scaling: str | 
     from transformers import AutoConfig, AutoTokenizer
 
     from specrun.decoding.forward.decoder import check_supported
-    from specrun.models.loader import model_fingerprint, resolve_model_dir
+    from specrun.models.loader import check_trust, model_fingerprint, resolve_model_dir
     from specrun.models.rope import apply_rope_scaling
 
+    check_trust(trust_remote_code)
     model_dir, is_demo = resolve_model_dir(model)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)

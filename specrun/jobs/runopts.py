@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from specrun.errors import ConfigError
 
 if TYPE_CHECKING:  # the engine's modules (torch) load where a run needs them, not for `specrun status`
     from specrun.decoding.engine import EngineConfig
@@ -36,19 +39,60 @@ class RunOptions:
     concurrency: int | str = "auto"  # sequences per worker at once (one engine step for all); auto: from memory
 
     def __post_init__(self):
-        if self.device is not None and self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device={self.device!r} must be cpu or cuda")
+        try:
+            self._check()
+        except (TypeError, ValueError) as e:  # a caller's bad value: a ConfigError (a ValueError) naming it
+            raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from None
+
+    def _check(self):
+        check_device(self.device)
         check_checkpoint(self.checkpoint_every, self.checkpoint_seconds)
-        if self.concurrency != "auto" and not (isinstance(self.concurrency, int) and self.concurrency >= 1):
+        if self.concurrency != "auto" and not (_is_int(self.concurrency) and self.concurrency >= 1):
             raise ValueError(f"concurrency={self.concurrency!r} must be an integer >= 1 or 'auto'")
+        if self.actors is not None and not (_is_int(self.actors) and self.actors >= 1):
+            raise ValueError(f"actors={self.actors!r} must be an integer >= 1 (or None: one per device)")
+        if not (_is_int(self.max_attempts) and self.max_attempts >= 1):
+            raise ValueError(f"max_attempts={self.max_attempts!r} must be an integer >= 1")
+        for name in ("gpus_per_actor", "poll_s", "connect_timeout_s", "place_timeout_s", "load_timeout_s",
+                     "stop_timeout_s"):
+            check_positive(name, getattr(self, name))
+        for name in ("address", "model_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a string (or None)")
+        if not isinstance(self.quiet, bool):
+            raise ValueError(f"quiet={self.quiet!r} must be True or False")
+        if isinstance(self.hot_start, (str, os.PathLike)) or not all(
+                isinstance(h, (str, os.PathLike)) for h in self.hot_start):
+            raise ValueError(f"hot_start={self.hot_start!r} must be a list of job directories")
+        if self.engine is not None:
+            from specrun.decoding.config import EngineConfig
+
+            if not isinstance(self.engine, EngineConfig):
+                raise ValueError(f"engine={self.engine!r} must be an EngineConfig (or None: the job's)")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_positive(name: str, value) -> None:
+    """A finite number > 0 (not a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+def check_device(device) -> None:
+    """None (the job's), cpu, cuda or cuda:N: the name only (whether it is there is the worker's to say)."""
+    if device is not None and not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
+        raise ValueError(f"device={device!r} must be cpu or cuda")
 
 
 def check_checkpoint(every: int | None, seconds: float | None) -> None:
     """Checkpoint cadence: every >= 1 new tokens, seconds a finite number > 0 (None: not given)."""
-    if every is not None and every < 1:
-        raise ValueError(f"checkpoint_every={every} must be >= 1")
-    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"checkpoint_seconds={seconds} must be a finite number > 0")
+    if every is not None and not (_is_int(every) and every >= 1):
+        raise ValueError(f"checkpoint_every={every!r} must be an integer >= 1")
+    if seconds is not None:
+        check_positive("checkpoint_seconds", seconds)
 
 
 @dataclass

@@ -81,6 +81,12 @@ def resolve_dtype(dtype: str, model: str, device: str) -> str:
     return default_dtype(resolve_model_dir(model)[0], device) if dtype == AUTO_DTYPE else dtype
 
 
+def check_trust(trust_remote_code) -> None:
+    """Only True runs a model's own Python code: a truthy string such as 'no' must not (ValueError)."""
+    if not isinstance(trust_remote_code, bool):
+        raise ValueError(f"trust_remote_code={trust_remote_code!r} must be True or False")
+
+
 def parse_device(device: str) -> torch.device:
     """'cpu' | 'cuda' | 'cuda:N' -> torch.device; ValueError naming the value if unknown or CUDA is unavailable."""
     try:
@@ -167,6 +173,7 @@ def load_model(path: str = DEMO, dtype: str = "float32", device: str = "cpu",
     The model comes back in eval mode with gradients off, with attn_implementation="sdpa" (the engine swaps in its own).
     rope_scaling: 'TYPE:FACTOR' extends its context (models/rope.py).
     """
+    check_trust(trust_remote_code)
     torch_dtype = parse_dtype(dtype)
     dev = parse_device(device)
     model_dir, is_demo = resolve_model_dir(path)

@@ -122,3 +122,30 @@ def test_the_same_list_of_prompts_submitted_again_finds_its_job(model, tmp_path,
     assert prepare(["hello", "world!"], model=model, sampling=params).root != first.root
     with pytest.raises(specrun.PromptError, match="prompt 1: invalid unicode"):
         prepare(["fine", "a\ud800"], model=model, sampling=params)
+
+
+@pytest.mark.parametrize("kw, fault", [
+    ({"dtype": "fp8"}, "dtype='fp8'"), ({"device": "tpu"}, "device='tpu'"), ({"device": 5}, "device=5"),
+    ({"trust_remote_code": "no"}, "trust_remote_code='no'"), ({"checkpoint_every": 0}, "checkpoint_every=0"),
+    ({"actors": "2"}, "actors='2'"), ({"actors": 0}, "actors=0"), ({"address": 5}, "address=5"),
+    ({"max_attempts": 0}, "max_attempts=0"), ({"poll_s": 0}, "poll_s=0"), ({"gpus_per_actor": -1}, "gpus_per_actor"),
+    ({"engine": specrun.EngineConfig()}, "drafting="), ({"model_path": "/elsewhere"}, "model_path"),
+    ({"hot_start": ["/no/such/job"]}, "not a specrun job"),
+])
+def test_a_setting_no_run_could_use_is_refused_before_the_job_is_written(model, tmp_path, kw, fault):
+    """Not a job that fails at every resume and refuses the corrected submit ("exists with different settings")."""
+    with pytest.raises(specrun.ConfigError, match=fault):
+        specrun.submit(["hello"], tmp_path / "job", model=model, sampling=specrun.SamplingParams(max_tokens=2), **kw)
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("kw, fault", [
+    ({"model": None}, "model=None"), ({"dtype": "bogus"}, "dtype='bogus'"), ({"device": "tpu"}, "device='tpu'"),
+    ({"drafting": "bogus"}, "bogus"), ({"sampling": {"max_tokens": 2}}, "must be a SamplingParams"),
+    ({"num_gpus": -1}, "num_gpus=-1"), ({"num_cpus": "x"}, "num_cpus='x'"),
+])
+def test_a_ray_data_processor_refuses_what_its_actors_could_not_load_with(kw, fault):
+    with pytest.raises(specrun.ConfigError, match=fault):
+        specrun.ray_data.processor(**kw)
+    with pytest.raises(specrun.ConfigError, match="runs over a ray.data.Dataset"):
+        specrun.ray_data.processor("demo")([{"prompt": "x"}])

@@ -125,6 +125,17 @@ def test_errors_are_specrun_errors(llm):
     (lambda llm: llm.generate("a", specrun.SamplingParams(stop_token_ids=(10**6,))), specrun.ConfigError,
      "stop_token_ids holds 1000000"),
     (lambda llm: specrun.SamplingParams(max_tokens=2.5), specrun.ConfigError, "must be an integer"),
+    # a truthy string must not run a model's own code
+    (lambda llm: specrun.LLM(llm.lm.path, trust_remote_code="no"), specrun.ModelError, "trust_remote_code='no'"),
+    (lambda llm: specrun.EngineConfig(drafters="ngram"), specrun.ConfigError, "must be a tuple of drafter names"),
+    (lambda llm: specrun.EngineConfig(trie_budget=5.5), specrun.ConfigError, "trie_budget=5.5 must be an integer"),
+    (lambda llm: specrun.EngineConfig(trie_budget=10**8), specrun.ConfigError, "must be <= 1024"),
+    (lambda llm: specrun.EngineConfig(tree=(1000, 1000, 1000)), specrun.ConfigError, "1,001,001,001 nodes"),
+    (lambda llm: specrun.EngineConfig(tree="1,3"), specrun.ConfigError, "must be a tuple of integers"),
+    (lambda llm: specrun.EngineConfig(adaptive_budget="no"), specrun.ConfigError, "adaptive_budget='no'"),
+    (lambda llm: specrun.RunOptions(actors=-1), specrun.ConfigError, "actors=-1"),
+    (lambda llm: specrun.RunOptions(quiet="no"), specrun.ConfigError, "quiet='no'"),
+    (lambda llm: specrun.RunOptions(hot_start="/a/job"), specrun.ConfigError, "must be a list of job directories"),
 ])
 def test_a_value_of_the_wrong_kind_is_a_specrun_error_where_it_is_given(llm, call, error, fault):
     """Not a TypeError from deep inside (a float max_tokens in torch.zeros, a dict for sampling read as one)."""
@@ -163,6 +174,11 @@ def test_a_stream_being_read_holds_its_llm_until_it_ends_or_is_closed(llm, param
     """generate() or a second stream() while a stream is part-read would step the stream's sequence too: refused,
     naming the stream; the stream then reads on to generate()'s tokens, and close() frees the LLM at once."""
     want = llm.generate(PROMPTS[0], params)[0]
+    unread = llm.stream(PROMPTS[0], params)  # a stream holds its LLM from the start, before its first token
+    with pytest.raises(specrun.SpecrunError, match="a stream of this LLM is still being read"):
+        llm.stream(PROMPTS[1], params)
+    assert [t for d in unread for t in d.token_ids] == want.token_ids
+    llm.stream(PROMPTS[1], params)  # a stream dropped unread frees its LLM
     stream = llm.stream(PROMPTS[0], params)
     first = next(stream)
     for call in (lambda: llm.generate(PROMPTS[1], params), lambda: llm.stream(PROMPTS[1], params)):

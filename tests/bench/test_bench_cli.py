@@ -74,6 +74,22 @@ def test_bench_rejects_bad_flags(tiny_models):
     assert res.exit_code != 0 and "a,2" in res.output
 
 
+@pytest.mark.parametrize("extra, fault", [
+    (["--prompt", "x", "--runs", "llama_cpp"], "nothing to run: llama_cpp skipped"),  # no GGUF: was a ZeroDivisionError
+    (["--prompt", "x", "--runs", "recurrent_only"], "nothing to run: recurrent_only skipped"),
+    (["--prompt", "x", "--concurrency", ""], "names no value"),
+    (["--prompt", "x", "--concurrency", "2", "--batch-attention", "flashinfer"], "flashinfer runs on CUDA"),
+    (["--prompt", "x", "--concurrency", "2", "--lengths", "8"], "does not combine with --concurrency"),
+    (["--prompt", "x", "--batch-attention", "dense"], "give --concurrency"),
+    (["--prompt-file", "{bin}"], "is not valid UTF-8"),
+])
+def test_bench_says_which_input_is_wrong_never_an_internal_error(tiny_models, tmp_path, extra, fault):
+    (tmp_path / "bin.txt").write_bytes(bytes([0xD3, 0x28, 0xFF, 0x00, 0x81]))
+    args = [a.replace("{bin}", str(tmp_path / "bin.txt")) for a in extra]
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_models["llama_mha"], "--max-tokens", "4", *args])
+    assert res.exit_code != 0 and fault in res.output and "internal error" not in res.output, res.output
+
+
 def test_rows_that_compile_or_only_ablate_compiling_run_only_by_name():
     from specrun.bench.runner import DEFAULT_RUNS, select_runs
 
