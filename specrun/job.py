@@ -138,7 +138,9 @@ def check_settings(job_dir, model, dtype, device, trust_remote_code, checkpoint_
     from specrun.jobs.runopts import check_checkpoint, check_device
     from specrun.models.loader import AUTO_DTYPE, DTYPES
 
-    if job_dir is not None and not isinstance(job_dir, (str, os.PathLike)):
+    from specrun.storage.jobfs import ObjectPath
+
+    if job_dir is not None and not isinstance(job_dir, (str, os.PathLike, ObjectPath)):
         raise ConfigError(f"job_dir={job_dir!r} must be a path or an object-store URI (or None: the default)")
     if not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model={model!r} must be a model directory, 'smollm2' or 'demo'")

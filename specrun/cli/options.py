@@ -6,6 +6,7 @@ Each decorator adds a group of options; the matching `*_from` turns the parsed v
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ def _rope(ctx, param, value):
         try:
             parse_rope_scaling(value)
         except ValueError as e:
-            raise click.BadParameter(str(e).split(": ", 1)[1]) from None
+            raise click.BadParameter(f"{value!r}: {str(e).split(': ', 1)[1]}") from None
     return value
 
 
@@ -156,9 +157,14 @@ def sampling_params_from(kw: dict, max_tokens: int) -> SamplingParams:
             min_p=kw["min_p"], eta=kw["eta"], penalty=kw["penalty"], penalty_window=kw["penalty_window"],
             seed=kw["seed"], ignore_eos=kw["ignore_eos"], stop=kw["stop"], stop_token_ids=kw["stop_token_ids"],
         )
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from e
+    except ValueError as e:  # the message starts with the field at fault: name its flag
+        field = re.match(r"\w+", str(e))
+        raise click.BadParameter(str(e), param_hint=SAMPLING_FLAGS.get(field.group() if field else "")) from e
 
+
+SAMPLING_FLAGS = {f: "--" + f.replace("_", "-") for f in (
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "eta", "penalty", "penalty_window", "seed", "stop")}
+SAMPLING_FLAGS["stop_token_ids"] = "--stop-token-id"
 
 # engine_options' parameter names -> the EngineConfig field each one sets
 ENGINE_FLAGS = {"draft": "drafters", "trie_budget": "trie_budget", "ngram_topk": "ngram_topk",

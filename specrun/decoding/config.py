@@ -143,7 +143,7 @@ class EngineConfig:
                 raise ValueError(f"drafter {name!r} runs the model's 4-bit copy: it needs a model whose linear layers "
                                  f"take inputs in groups of 32, on the CPU or a CUDA GPU of compute capability 8.0+, "
                                  f"and each sequence's K/V in one store (a batched worker: one KV page a sequence, "
-                                 f"the CPU's layout)")
+                                 f"the CPU's layout; one sequence: the sdpa attention backend, --attention sdpa)")
             if name in NEEDS_HEADS and not have_heads:
                 raise ValueError(f"drafter {name!r} needs trained draft heads (--heads PATH, see specrun train-heads)")
             if name in NEEDS_DRAFTER and not have_drafter:

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from specrun.cli import main
-from specrun.cli.generate import _read_prompt
+from specrun.cli.generate import read_prompt
 from tests.cli.test_jobs_cli import model  # noqa: F401 (a fixture)
 
 
@@ -167,4 +167,4 @@ def test_generate_names_a_prompt_file_of_bad_utf8_and_a_stop_token_past_the_voca
              "lone surrogate")
     crlf = tmp_path / "crlf.txt"
     crlf.write_bytes(b"one\r\ntwo\rthree")
-    assert _read_prompt(crlf) == "one\ntwo\nthree"  # read as text, as ever: a CRLF file's prompt is the LF one's
+    assert read_prompt(crlf) == "one\ntwo\nthree"  # read as text, as ever: a CRLF file's prompt is the LF one's
