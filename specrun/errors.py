@@ -5,6 +5,7 @@ CLI prints (the CLI turns any of them into its error line and exit status 1); li
 from __future__ import annotations
 
 import errno
+import numbers
 
 
 class SpecrunError(Exception):
@@ -41,3 +42,8 @@ def describe_os_error(e: OSError) -> str:
             errno.EROFS: "the file system is read-only; `specrun status` and `specrun export` still read a job there",
             errno.EACCES: "check the permissions", errno.EPERM: "check the permissions"}.get(e.errno)
     return what + (f" ({hint})" if hint else "")
+
+
+def is_whole(x) -> bool:
+    """An integer of any kind (numpy's too), not a bool: what a count or a size may be."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

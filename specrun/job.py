@@ -135,33 +135,43 @@ def prepare(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPar
 
 def check_settings(job_dir, model, dtype, device, trust_remote_code, checkpoint_every, checkpoint_seconds) -> None:
     """ConfigError naming the first of a job's own settings that no run could use, before anything is written."""
-    from specrun.jobs.runopts import check_checkpoint, check_device
-    from specrun.models.loader import AUTO_DTYPE, DTYPES
-
+    from specrun.jobs.runopts import check_checkpoint
     from specrun.storage.jobfs import ObjectPath
 
     if job_dir is not None and not isinstance(job_dir, (str, os.PathLike, ObjectPath)):
         raise ConfigError(f"job_dir={job_dir!r} must be a path or an object-store URI (or None: the default)")
-    if not isinstance(model, (str, os.PathLike)):
-        raise ConfigError(f"model={model!r} must be a model directory, 'smollm2' or 'demo'")
-    if dtype != AUTO_DTYPE and dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r}; expected auto or one of {', '.join(DTYPES)}")
-    if device is None:
-        raise ConfigError("device=None; expected cpu or cuda")
+    check_model_settings(model, dtype, device)
     check_remote_code_flag(trust_remote_code)
     try:
-        check_device(device)
         check_checkpoint(checkpoint_every, checkpoint_seconds)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def check_hot_start(options: RunOptions) -> RunOptions:
-    """A local --hot-start folder without a job.json would warm nothing and say nothing (ConfigError)."""
-    for loc in options.hot_start:
-        if "://" not in str(loc) and not (Path(os.fspath(loc)) / "job.json").is_file():
-            raise ConfigError(f"hot_start: {os.fspath(loc)!r} is not a specrun job (no job.json)")
-    return options
+def check_model_settings(model, dtype, device) -> None:
+    """ConfigError naming a model argument, dtype or device no worker could load with (whether the model is there is
+    the loader's to say)."""
+    from specrun.jobs.runopts import check_device
+    from specrun.models.loader import AUTO_DTYPE, DTYPES
+
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model={model!r} must be a model directory, 'smollm2' or 'demo'")
+    if not isinstance(dtype, str) or (dtype != AUTO_DTYPE and dtype not in DTYPES):
+        raise ConfigError(f"dtype={dtype!r}; expected auto or one of {', '.join(DTYPES)}")
+    if device is None:
+        raise ConfigError("device=None; expected cpu or cuda")
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_hot_start(locations) -> None:
+    """A local hot-start folder without a job.json would warm nothing and say nothing (ConfigError naming it)."""
+    for loc in locations:
+        if isinstance(loc, (str, os.PathLike)) and "://" not in os.fspath(loc) \
+                and not (Path(os.fspath(loc)) / "job.json").is_file():
+            raise ConfigError(f"{os.fspath(loc)!r} is not a specrun job (no job.json)")
 
 
 def check_remote_code_flag(trust_remote_code) -> None:
@@ -223,12 +233,11 @@ def submit(prompts, job_dir=None, *, model: str = "demo", sampling: SamplingPara
     prompts and settings again resumes the job."""
     from specrun.llm import drafting_config
 
-    own = sorted(set(run_options) & {"model_path", "device", "engine", "checkpoint_every", "checkpoint_seconds"})
-    if own:  # submit's own arguments (drafting is the engine), not a run's
-        raise ConfigError(f"submit() takes {', '.join(own)} as its own argument(s)"
-                          f"{' (the engine as drafting=)' if 'engine' in own else ''}, not as run options")
+    for name, own in (("model_path", "model="), ("engine", "drafting=")):  # submit sets them from its own arguments
+        if name in run_options:
+            raise ConfigError(f"submit() takes {name} as {own}, not as a run option ({name} is resume's)")
     try:  # the run's options checked before the job is written (Job.run's own keywords aside)
-        check_hot_start(RunOptions(**{k: v for k, v in run_options.items() if k not in ("options", "view")}))
+        check_hot_start(RunOptions(**{k: v for k, v in run_options.items() if k not in ("options", "view")}).hot_start)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     job = prepare(prompts, job_dir, model=model, sampling=sampling, drafting=drafting, dtype=dtype, device=device,
@@ -265,9 +274,11 @@ def resume(job_dir, *, model_path: str | None = None, trust_remote_code: bool = 
     """Continue an interrupted job from its checkpoints (failed prompts are retried), here, to the end. run_options:
     RunOptions fields; device, engine (an EngineConfig), checkpoint_every/seconds replace the job's for this run."""
     job, path = reopen(job_dir, model_path, trust_remote_code)
+    view, options = run_options.pop("view", None), run_options.pop("options", None)
     try:
-        options = check_hot_start(RunOptions(**{"quiet": True, **run_options, "model_path": path}))
+        options = options or RunOptions(**{"quiet": True, **run_options, "model_path": path})
+        check_hot_start(options.hot_start)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    job.run(options)
+    job.run(options, view)
     return job

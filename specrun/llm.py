@@ -4,7 +4,6 @@ stream(prompt) -> Deltas as tokens are accepted. Tokens equal `specrun generate`
 
 from __future__ import annotations
 
-import numbers
 import os
 import warnings
 import weakref
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.params import SamplingParams
-from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError
+from specrun.errors import ConfigError, ModelError, PromptError, SpecrunError, is_whole
 
 DEMO_NOTICE = "note: --model demo is a tiny RANDOM-WEIGHT model built offline; its text is noise, not language."
 MAX_CONCURRENCY = 16  # prompts generated at once by default (actors/memory.py AUTO_MAX: per-step work grows with N)
@@ -85,10 +84,10 @@ class Stream:
 
         self._llm, self._ids, self._params, self._id = llm, ids, params, pid
         self._steps = llm._solo().steps(ids, params)
-        llm._reading = weakref.ref(self)  # the one stream of this LLM until it ends, is closed or is dropped
         self._text = TextDeltas(llm.tokenizer, params)
         self.output: Output | None = None
         self._closed = False
+        llm._reading = weakref.ref(self)  # the one stream of this LLM until it ends, is closed or is dropped
 
     def __iter__(self) -> Iterator[Delta]:
         return self
@@ -96,8 +95,10 @@ class Stream:
     def close(self) -> None:
         """Stop the generation here (`output` stays None): the LLM is free again for generate() and stream()."""
         self._closed = True
-        self._steps.close()
-        self._release()
+        try:
+            self._steps.close()
+        finally:
+            self._release()
 
     def _release(self) -> None:
         if self._llm._reading is not None and self._llm._reading() is self:
@@ -136,11 +137,10 @@ class LLM:
                  max_concurrency: int = MAX_CONCURRENCY, chat: bool | str = "auto", rope_scaling: str | None = None):
         if not isinstance(model, (str, os.PathLike)):
             raise ModelError(f"model must be a directory path, 'smollm2' or 'demo', got {type(model).__name__}")
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, numbers.Integral) \
-                or max_concurrency < 1:
+        if not is_whole(max_concurrency) or max_concurrency < 1:
             raise ConfigError(f"max_concurrency={max_concurrency!r} must be an integer >= 1")
         max_concurrency = int(max_concurrency)
-        if chat not in (True, False, "auto"):
+        if not (isinstance(chat, bool) or chat == "auto"):
             raise ConfigError(f"chat={chat!r} must be True, False or 'auto'")
         self.config = drafting_config(drafting)
         self.lm = load_lm(model, dtype, device, trust_remote_code, rope_scaling)

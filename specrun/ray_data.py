@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from specrun.actors.pool import worker_env
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.params import SamplingParams
-from specrun.errors import ConfigError
+from specrun.errors import ConfigError, is_whole
 from specrun.jobs.parquet_in import Columns, row_object
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "stats")
@@ -74,7 +74,7 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
     runs an actor's torch on that many threads), `batch_size` rows generated at once per actor (one step for all).
     Columns as for a Parquet job (prompt, messages or input_ids; id when present)."""
     for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_whole(value) or value < 1:
             raise ConfigError(f"{name}={value!r}: give a whole number of 1 or more")
     _check_actor_settings(model, sampling, drafting, dtype, device, num_gpus, num_cpus)
     columns = Columns(prompt_column, messages_column, id_column)
@@ -92,23 +92,13 @@ def processor(model: str = "demo", sampling: SamplingParams | None = None, *, dr
 
 def _check_actor_settings(model, sampling, drafting, dtype, device, num_gpus, num_cpus) -> None:
     """ConfigError naming what every actor would fail to load with, here rather than as Ray's ActorDiedError later."""
-    from specrun.jobs.runopts import check_device
+    from specrun.job import check_model_settings
     from specrun.llm import drafting_config
-    from specrun.models.loader import AUTO_DTYPE, DTYPES
 
-    if not isinstance(model, (str, os.PathLike)):
-        raise ConfigError(f"model={model!r} must be a model directory, 'smollm2' or 'demo'")
+    check_model_settings(model, dtype, device)
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     drafting_config(drafting)
-    if dtype != AUTO_DTYPE and dtype not in DTYPES:
-        raise ConfigError(f"dtype={dtype!r}; expected auto or one of {', '.join(DTYPES)}")
-    try:
-        check_device(device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if device is None:
-        raise ConfigError("device=None; expected cpu or cuda")
     for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
                                   or value == float("inf")):

@@ -24,6 +24,7 @@ from specrun.cli.options import (
     sampling_options,
     sampling_params_from,
 )
+from specrun.errors import ConfigError
 from specrun.storage.fs import location
 
 
@@ -72,9 +73,12 @@ def _apply(options):
 def _check_hot_start(hot_start) -> None:
     """--hot-start names jobs (their recycling matrices warm the workers): a folder without a job.json would warm
     nothing and say nothing."""
-    for loc in hot_start:
-        if isinstance(loc, Path) and not (loc / "job.json").is_file():
-            raise click.BadParameter(f"{str(loc)!r} is not a specrun job (no job.json)", param_hint="--hot-start")
+    from specrun.job import check_hot_start
+
+    try:
+        check_hot_start(hot_start)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--hot-start") from None
 
 
 def _run(job, actors, gpus_per_actor, address, hot_start, quiet, model_path=None, **attempt) -> int:

@@ -27,7 +27,7 @@ from specrun.decoding.drafters.self_draft import FusedDrafter, TreeTemplate
 from specrun.decoding.forward.attention import check_backend
 from specrun.decoding.forward.decoder import FusedDecoder
 from specrun.decoding.forward.paged_attention import check_paged_backend
-from specrun.errors import ConfigError
+from specrun.errors import ConfigError, is_whole
 
 MAX_TRIE_BUDGET = 1024  # most nodes a verify forward may carry (its rows' buffers are sized by it)
 MAX_TREE_NODES = 4096  # most nodes a self-draft tree template may hold
@@ -88,8 +88,9 @@ class EngineConfig:
         for name, value, low in (("trie_budget", self.trie_budget, 1), ("ngram_topk", self.ngram_topk, 0),
                                  ("prefill_chunk", self.prefill_chunk, 1), ("kv_budget", self.kv_budget, 1),
                                  ("kv_sinks", self.kv_sinks, 0)):
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_whole(value):
                 raise ValueError(f"{name}={value!r} must be an integer")
+            object.__setattr__(self, name, int(value))
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
         if self.trie_budget > MAX_TRIE_BUDGET:
@@ -97,9 +98,9 @@ class EngineConfig:
                              f"carries; the widest drafts use under 100)")
         if not isinstance(self.adaptive_budget, bool):
             raise ValueError(f"adaptive_budget={self.adaptive_budget!r} must be True or False")
-        if not isinstance(self.tree, tuple) or not all(isinstance(k, int) and not isinstance(k, bool)
-                                                       for k in self.tree):
+        if not isinstance(self.tree, tuple) or not all(map(is_whole, self.tree)):
             raise ValueError(f"tree={self.tree!r} must be a tuple of integers, e.g. (1, 3, 3, 3)")
+        object.__setattr__(self, "tree", tuple(map(int, self.tree)))
         PartialKV(self.kv_mode, self.kv_budget, self.kv_sinks)  # validates mode, budget and sinks
         check_backend(self.attention)
         for name, value in (("step_graphs", self.step_graphs), ("compile_draft", self.compile_draft),

@@ -55,11 +55,10 @@ class Engine:
     def __init__(self, lm, config: EngineConfig = EngineConfig(), batch: BatchConfig = BatchConfig(), *,
                  heads: DraftHeads | None = None):
         self.solo = solo = batch.concurrency == 1
-        page = batch.page_tokens(lm.device.type)
-        heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo=solo, whole_pages=page > 1)
+        heads, self.recurrent, names = resolve_drafting(config, lm, heads, solo, batch.page_tokens(lm.device.type) > 1)
         self.lm, self.config, self.batch, self.heads, self.names = lm, config, batch, heads, names
         self.runner = SoloRunner(lm, max(config.trie_budget, config.prefill_chunk), config.attention) if solo \
-            else PagedRunner(lm, batch.kv_tokens, page, batch.backend)
+            else PagedRunner(lm, batch.kv_tokens, batch.page_tokens(lm.device.type), batch.backend)
         self.compiles = Compiles(config, self.runner, (config.trie_budget if names else 1) * batch.concurrency, solo)
         # the self-drafters' partial caches rank slots by the last committed token's queries: verify keeps them
         self._capture = "heads" in names and config.kv_mode != "full"

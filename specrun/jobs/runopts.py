@@ -8,7 +8,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specrun.errors import ConfigError
+from specrun.errors import ConfigError, is_whole
 
 if TYPE_CHECKING:  # the engine's modules (torch) load where a run needs them, not for `specrun status`
     from specrun.decoding.engine import EngineConfig
@@ -45,34 +45,37 @@ class RunOptions:
             raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from None
 
     def _check(self):
+        from specrun.storage.jobfs import ObjectPath
+
         check_device(self.device)
         check_checkpoint(self.checkpoint_every, self.checkpoint_seconds)
-        if self.concurrency != "auto" and not (_is_int(self.concurrency) and self.concurrency >= 1):
+        if self.concurrency != "auto" and not (is_whole(self.concurrency) and self.concurrency >= 1):
             raise ValueError(f"concurrency={self.concurrency!r} must be an integer >= 1 or 'auto'")
-        if self.actors is not None and not (_is_int(self.actors) and self.actors >= 1):
+        if self.actors is not None and not (is_whole(self.actors) and self.actors >= 1):
             raise ValueError(f"actors={self.actors!r} must be an integer >= 1 (or None: one per device)")
-        if not (_is_int(self.max_attempts) and self.max_attempts >= 1):
+        if not (is_whole(self.max_attempts) and self.max_attempts >= 1):
             raise ValueError(f"max_attempts={self.max_attempts!r} must be an integer >= 1")
-        for name in ("gpus_per_actor", "poll_s", "connect_timeout_s", "place_timeout_s", "load_timeout_s",
-                     "stop_timeout_s"):
+        for name in ("gpus_per_actor", "poll_s", "connect_timeout_s"):
             check_positive(name, getattr(self, name))
-        for name in ("address", "model_path"):
+        for name in ("place_timeout_s", "load_timeout_s", "stop_timeout_s"):  # inf: never; 0: at once
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name}={value!r} must be a number >= 0 (inf: no limit)")
+        for name in ("address", "model_path"):  # stored as strings: attempts/ records them as JSON
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a string (or None)")
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if not isinstance(self.quiet, bool):
             raise ValueError(f"quiet={self.quiet!r} must be True or False")
-        if isinstance(self.hot_start, (str, os.PathLike)) or not all(
-                isinstance(h, (str, os.PathLike)) for h in self.hot_start):
+        if isinstance(self.hot_start, (str, os.PathLike, ObjectPath)) or not all(
+                isinstance(h, (str, os.PathLike, ObjectPath)) for h in self.hot_start):
             raise ValueError(f"hot_start={self.hot_start!r} must be a list of job directories")
         if self.engine is not None:
             from specrun.decoding.config import EngineConfig
 
             if not isinstance(self.engine, EngineConfig):
                 raise ValueError(f"engine={self.engine!r} must be an EngineConfig (or None: the job's)")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_positive(name: str, value) -> None:
@@ -89,7 +92,7 @@ def check_device(device) -> None:
 
 def check_checkpoint(every: int | None, seconds: float | None) -> None:
     """Checkpoint cadence: every >= 1 new tokens, seconds a finite number > 0 (None: not given)."""
-    if every is not None and not (_is_int(every) and every >= 1):
+    if every is not None and not (is_whole(every) and every >= 1):
         raise ValueError(f"checkpoint_every={every!r} must be an integer >= 1")
     if seconds is not None:
         check_positive("checkpoint_seconds", seconds)

@@ -19,7 +19,7 @@ def worker_spec(job: JobDir, manifest: dict, settings: dict, prompts: Iterable, 
     prompts = list(prompts)
     return WorkerSpec(job_dir=job.location, model=s["model_path"],
                       fingerprint=m["fingerprint"], dtype=s["dtype"], device=s["device"],
-                      trust_remote_code=m.get("trust_remote_code", False), engine=s["engine"],
+                      trust_remote_code=m.get("trust_remote_code", False) is not False, engine=s["engine"],
                       checkpoint_every=ck["every"], checkpoint_seconds=ck["seconds"],
                       hot_start=tuple(s["hot_start"]), threads=1 if s["device"] == "cpu" else 0,
                       job_created_at=manifest.get("created_at"), rope_scaling=m.get("rope_scaling"),

@@ -149,3 +149,14 @@ def test_a_ray_data_processor_refuses_what_its_actors_could_not_load_with(kw, fa
         specrun.ray_data.processor(**kw)
     with pytest.raises(specrun.ConfigError, match="runs over a ray.data.Dataset"):
         specrun.ray_data.processor("demo")([{"prompt": "x"}])
+
+
+def test_resume_checks_its_run_options_before_it_runs(model, tmp_path):
+    from specrun.job import prepare
+
+    job = prepare(["hello"], tmp_path / "job", model=model, sampling=specrun.SamplingParams(max_tokens=2))
+    for kw, fault in (({"actors": 0}, "actors=0"), ({"hot_start": [str(tmp_path)]}, "not a specrun job"),
+                      ({"trust_remote_code": "yes"}, "trust_remote_code='yes'")):
+        with pytest.raises(specrun.ConfigError, match=fault):
+            specrun.resume(job.root, **kw)
+    assert not (job.root / "attempts").exists() or not list((job.root / "attempts").iterdir())

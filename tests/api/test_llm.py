@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,6 +119,7 @@ def test_errors_are_specrun_errors(llm):
     (lambda llm: specrun.LLM("demo", drafting=5), specrun.ConfigError, "drafting must be an EngineConfig"),
     (lambda llm: specrun.LLM("demo", max_concurrency=0), specrun.ConfigError, "max_concurrency=0"),
     (lambda llm: specrun.LLM("demo", chat="maybe"), specrun.ConfigError, "chat='maybe'"),
+    (lambda llm: specrun.LLM("demo", chat=1), specrun.ConfigError, "chat=1"),
     (lambda llm: llm.generate(None), specrun.PromptError, "got NoneType"),
     (lambda llm: llm.generate(b"bytes"), specrun.PromptError, "got bytes"),
     (lambda llm: llm.generate("a", {"max_tokens": 4}), specrun.ConfigError, "must be a SamplingParams"),
@@ -141,6 +143,14 @@ def test_a_value_of_the_wrong_kind_is_a_specrun_error_where_it_is_given(llm, cal
     """Not a TypeError from deep inside (a float max_tokens in torch.zeros, a dict for sampling read as one)."""
     with pytest.raises(error, match=fault):
         call(llm)
+
+
+def test_values_of_other_legitimate_kinds_are_taken_as_given():
+    """What a manifest's JSON, numpy or a caller's pathlib hands the configs: lists, numpy integers, paths, no limits."""
+    config = specrun.EngineConfig(drafters=["ngram"], tree=[1, np.int64(3)], trie_budget=np.int64(8))
+    assert config.drafters == ("ngram",) and config.tree == (1, 3) and type(config.trie_budget) is int
+    opts = specrun.RunOptions(actors=np.int64(2), model_path=Path("/m"), load_timeout_s=float("inf"), stop_timeout_s=0)
+    assert opts.actors == 2 and opts.model_path == "/m"  # attempts/ records it as JSON
 
 
 def test_numpys_numbers_and_any_iterable_of_prompts_are_taken(llm, params):
