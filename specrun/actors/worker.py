@@ -48,11 +48,19 @@ class WorkerSpec:
 
 
 def engine_config(d: dict):
-    """EngineConfig from its JSON form in the manifest (lists back to tuples; keys it no longer has are ignored)."""
+    """EngineConfig from its JSON form in the manifest (lists back to tuples; keys it no longer has are ignored). A
+    width or self-draft tree above today's limits (a job made before them) is brought within them: speed, not tokens."""
+    from specrun.decoding.config import MAX_TREE_NODES, MAX_TRIE_BUDGET, tree_nodes
     from specrun.decoding.engine import EngineConfig
 
     known = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known})
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known}
+    if isinstance(fields.get("trie_budget"), int):
+        fields["trie_budget"] = min(fields["trie_budget"], MAX_TRIE_BUDGET)
+    tree = fields.get("tree")
+    if isinstance(tree, tuple) and all(isinstance(k, int) for k in tree) and tree_nodes(tree) > MAX_TREE_NODES:
+        fields.pop("tree")
+    return EngineConfig(**fields)
 
 
 class GenerationWorker:

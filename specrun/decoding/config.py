@@ -41,6 +41,15 @@ COMPILE_DRAFT_TOKENS = 4096
 COMPILE_LAYERS_TOKENS = 16384
 
 
+def tree_nodes(tree: tuple[int, ...]) -> int:
+    """Nodes of a self-draft tree spec, its root included: 1 + k0 + k0 k1 + ..."""
+    nodes, level = 1, 1
+    for k in tree:
+        level *= max(k, 1)
+        nodes += level
+    return nodes
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     drafters: tuple[str, ...] | None = None  # None = auto (AUTO_DRAFTERS that can run); () = plain AR
@@ -107,10 +116,7 @@ class EngineConfig:
                             ("compile_layers", self.compile_layers)):
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"{name}={value!r}; choose from auto, on, off")
-        nodes, level = 1, 1
-        for k in self.tree:  # counted before it is built: (1000, 1000, 1000) would be a billion nodes
-            level *= max(k, 1)
-            nodes += level
+        nodes = tree_nodes(self.tree)  # counted before it is built: (1000, 1000, 1000) would be a billion nodes
         if nodes > MAX_TREE_NODES:
             raise ValueError(f"tree={','.join(map(str, self.tree))} has {nodes:,} nodes; at most {MAX_TREE_NODES:,}")
         TreeTemplate(self.tree)  # validates the tree spec

@@ -169,6 +169,17 @@ def test_a_manifest_with_compile_layers_as_a_bool_resumes_as_on_or_off_and_flags
     assert r.exit_code == 2 and "--compile compiles the layers: it contradicts --compile-layers off" in r.output
 
 
+def test_a_manifest_from_before_the_width_limits_resumes_within_them():
+    """A job made with --trie-budget 2048 or a huge --tree (taken before the limits) still resumes: both are speed
+    settings, so they are brought within the limits rather than refused at every worker's load."""
+    from specrun.actors.worker import engine_config
+    from specrun.decoding.config import MAX_TRIE_BUDGET
+
+    old = engine_config({"trie_budget": 2048, "tree": [100, 100, 100], "drafters": ["ngram"], "kv_budget": 4096})
+    assert old.trie_budget == MAX_TRIE_BUDGET and old.tree == (1, 3, 3, 3) and old.drafters == ("ngram",)
+    assert engine_config({"trie_budget": 48, "tree": [1, 2, 2]}).tree == (1, 2, 2)
+
+
 def test_unreadable_attempt_records_are_reported_not_raised(tmp_path):
     job = JobDir(tmp_path)
     job.attempts_dir.mkdir()
