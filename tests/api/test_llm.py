@@ -200,3 +200,14 @@ def test_a_stream_being_read_holds_its_llm_until_it_ends_or_is_closed(llm, param
     stream.close()
     assert list(stream) == [] and stream.output is None
     assert llm.generate(PROMPTS[0], params)[0].token_ids == want.token_ids
+    failing = llm.stream(PROMPTS[0], params)  # a generation that fails frees its LLM too
+    failing._steps.close()
+    failing._steps = _raising()
+    with pytest.raises(RuntimeError, match="the generation failed"):
+        next(failing)
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == want.token_ids
+
+
+def _raising():
+    raise RuntimeError("the generation failed")
+    yield
