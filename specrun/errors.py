@@ -44,6 +44,11 @@ def describe_os_error(e: OSError) -> str:
     return what + (f" ({hint})" if hint else "")
 
 
+def is_number(x) -> bool:
+    """A real number of any kind (numpy's too), not a bool: what a duration or a share may be."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def is_whole(x) -> bool:
     """An integer of any kind (numpy's too), not a bool: what a count or a size may be."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from specrun.actors.pool import worker_env
 from specrun.decoding.engine import EngineConfig
 from specrun.decoding.verify.params import SamplingParams
-from specrun.errors import ConfigError, is_whole
+from specrun.errors import ConfigError, is_number, is_whole
 from specrun.jobs.parquet_in import Columns, row_object
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "finish_reason", "stats")
@@ -100,6 +100,5 @@ def _check_actor_settings(model, sampling, drafting, dtype, device, num_gpus, nu
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     drafting_config(drafting)
     for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
-                                  or value == float("inf")):
+        if value is not None and not (is_number(value) and 0 <= value < float("inf")):
             raise ConfigError(f"{name}={value!r} must be a finite number >= 0 (or None: the default)")

@@ -8,7 +8,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specrun.errors import ConfigError, is_whole
+from specrun.errors import ConfigError, is_number, is_whole
 
 if TYPE_CHECKING:  # the engine's modules (torch) load where a run needs them, not for `specrun status`
     from specrun.decoding.engine import EngineConfig
@@ -59,7 +59,7 @@ class RunOptions:
             check_positive(name, getattr(self, name))
         for name in ("place_timeout_s", "load_timeout_s", "stop_timeout_s"):  # inf: never; 0: at once
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            if not is_number(value) or not value >= 0:
                 raise ValueError(f"{name}={value!r} must be a number >= 0 (inf: no limit)")
         for name in ("address", "model_path"):  # stored as strings: attempts/ records them as JSON
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
@@ -80,7 +80,7 @@ class RunOptions:
 
 def check_positive(name: str, value) -> None:
     """A finite number > 0 (not a bool or a string)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    if not is_number(value) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
 
 

@@ -25,58 +25,40 @@ Patches = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, cols, presen
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 
+P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float  # the C functions' argument types
+
+
+def _bind(f, argtypes: list, restype=None):
+    """A C function of the library with its signature set (ctypes converts and checks the arguments by it)."""
+    f.argtypes, f.restype = argtypes, restype
+    return f
+
+
 class CpuKernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls; OpenMP resolves to torch's loaded runtime
         self._gemv = {torch.bfloat16: lib.gemv_bf16, torch.float32: lib.gemv_f32}
         self._gemv_q4 = {False: lib.gemv_q4, True: lib.gemv_q4_q8}
         for f in (*self._gemv.values(), *self._gemv_q4.values()):
-            f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-            f.restype = None
+            _bind(f, [P] * 4 + [L] * 3 + [I])
         self._attend = {torch.bfloat16: lib.attend_bf16, torch.float32: lib.attend_f32}
         for f in self._attend.values():
-            f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5
-                          + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
-            f.restype = None
-        # called by kv_codes.KVCodes, which owns the int8 copy they read and write
-        self.attend_split_q8 = lib.attend_split_q8  # the quantized self-drafter's (decode_layers_q4: its parts)
-        self.attend_split_q8.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 2
-                                         + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
-        self.attend_split_q8.restype = ctypes.c_int
-        self.quantize_kv_q8 = lib.quantize_kv_q8
-        self.quantize_kv_q8.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
-                                        + [ctypes.c_long] * 6 + [ctypes.c_int])
-        self.quantize_kv_q8.restype = None
-        self._rms_norm = lib.rms_norm_rows_bf16
-        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_float]
-        self._rms_norm.restype = None
-        self._rescore = lib.rescore_rows_bf16
-        self._rescore.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3
-                                  + [ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_int])
-        self._rescore.restype = None
+            _bind(f, [P] * 3 + [L] + [P] * 2 + [L] * 5 + [F, P, I])
+        # called by kv_codes.KVCodes, which owns the int8 copy they read and write (the 4-bit draft's attention)
+        self.attend_split_q8 = _bind(lib.attend_split_q8, [P] * 2 + [L] + [P] * 2 + [L] * 5 + [F, I], I)
+        self.quantize_kv_q8 = _bind(lib.quantize_kv_q8, [P] * 2 + [L] * 2 + [P] + [L] * 6 + [I])
+        self._rms_norm = _bind(lib.rms_norm_rows_bf16, [P] * 3 + [L] * 2 + [F])
+        self._rescore = _bind(lib.rescore_rows_bf16, [P, L, L] + [P] * 3 + [L] + [P] * 4 + [I])
         # called by cpu_layers.CpuLayers, which owns their arguments
         self.decode_layers = {torch.bfloat16: lib.decode_layers_bf16, torch.float32: lib.decode_layers_f32}
         self.decode_layers_q4 = lib.decode_layers_q4  # bf16 activations over quant.py's 4-bit weights
         for f in (*self.decode_layers.values(), self.decode_layers_q4):
-            f.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 6
-                          + [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2
-                          + [ctypes.c_void_p] * 3 + [ctypes.c_int])
-            f.restype = None
-        self._argmax = lib.argmax_f32
-        self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-        self._argmax.restype = None
-        self._topk = lib.topk_f32
-        self._topk.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        self._topk.restype = ctypes.c_int
-        self._sample = lib.sample_minp_f32
-        self._sample.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 4
-                                 + [ctypes.c_long] + [ctypes.c_float] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int])
-        self._sample.restype = ctypes.c_int
-        self._draft_level = lib.draft_level_f32
-        self._draft_level.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 2
-                                      + [ctypes.c_float] * 3 + [ctypes.c_uint64] * 2 + [ctypes.c_int64, ctypes.c_int]
-                                      + [ctypes.c_void_p] * 4 + [ctypes.c_int])
-        self._draft_level.restype = ctypes.c_int
+            _bind(f, [P, I, P] + [L] * 6 + [P, L] + [P] * 2 + [F] * 2 + [P] * 3 + [I])
+        self._argmax = _bind(lib.argmax_f32, [P, L, L, P, I])
+        self._topk = _bind(lib.topk_f32, [P, L, L, I, P, I], I)
+        self._sample = _bind(lib.sample_minp_f32, [P, L, L] + [P] * 4 + [L] + [F] * 3 + [P] * 4 + [I], I)
+        self._draft_level = _bind(lib.draft_level_f32, [P, L, L] + [P] * 2 + [F] * 3 + [ctypes.c_uint64] * 2
+                                  + [ctypes.c_int64, I] + [P] * 4 + [I], I)
 
     @staticmethod
     def packs(weight: torch.Tensor) -> bool:
