@@ -110,7 +110,8 @@ def cluster():
     try:
         _wait_for(lambda: proc.poll() is not None or _up(dashboard + "/api/version"), 90, "the Ray dashboard")
         assert proc.poll() is None, open(log.name).read()
-        _wait_for(lambda: _jobs_api_ready(dashboard), 90, "the Ray Jobs API")
+        # the dashboard's job agent can take past 90 s to take jobs beside the suite's other process (stop 80, once)
+        _wait_for(lambda: _jobs_api_ready(dashboard), 240, "the Ray Jobs API")
         yield {"address": dashboard, "gcs": f"127.0.0.1:{ports['--port']}", "env": env,
                "logs": Path(temp) / "session_latest" / "logs"}
     finally:
