@@ -19,6 +19,7 @@ CPUS_PER_ACTOR = 1
 # glibc's malloc gives threads arenas of their own (up to 8 a core): in a worker, Ray's threads and torch's each kept
 # freed temporaries of long-context steps in theirs (docs/benchmarks.md, "Stop 55"); the driver's own value wins
 MALLOC_ARENAS = "2"
+_LOCAL: dict = {}  # the local Ray init_ray started: its GCS address and the worker_env() its processes inherited
 
 
 def _probe(address: str, timeout_s: float) -> None:
@@ -54,11 +55,14 @@ def init_ray(address: str | None, num_cpus: int | None = None, connect_timeout_s
             ray.init(address=address, **kwargs)
             return True
         path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        env = worker_env()
         main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
         old = signal.signal(signal.SIGHUP, signal.SIG_IGN) if main else None
         try:
             try:
-                ray.init(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+                with _environ({"PYTHONPATH": path, **env}):
+                    ray.init(num_cpus=num_cpus, **kwargs)
+                _LOCAL.update(gcs=_gcs_address(), env=env)
             except ValueError as e:  # `ray start` left a cluster on this machine: ray.init joins it, refusing num_cpus
                 if "existing cluster" not in str(e):
                     raise
@@ -104,7 +108,7 @@ def start_worker(spec: WorkerSpec, slot: int, gpus_per_actor: float):
     import ray
 
     opts = {"max_concurrency": spec.concurrency + 1, "max_restarts": 0, "num_cpus": CPUS_PER_ACTOR,
-            "runtime_env": {"env_vars": worker_env()}}
+            **actor_runtime_env()}
     if gpus_per_actor > 0:
         opts["num_gpus"] = gpus_per_actor
     return ray.remote(GenerationWorker).options(**opts).remote(spec, slot, False)
@@ -113,6 +117,41 @@ def start_worker(spec: WorkerSpec, slot: int, gpus_per_actor: float):
 def worker_env() -> dict[str, str]:
     """Environment variables a worker process starts with (merged by Ray with the job's)."""
     return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)}
+
+
+def actor_runtime_env() -> dict:
+    """Actor options giving a worker worker_env(): none on the local Ray init_ray started with it (its processes
+    inherited it), whose idle workers then take the actor at once; else a runtime_env, whose own workers Ray starts
+    through its agent (about a second more an actor)."""
+    env = worker_env()
+    if _LOCAL.get("env") == env and _LOCAL.get("gcs") == _gcs_address():
+        return {}
+    return {"runtime_env": {"env_vars": env}}
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+
+
+class _environ:
+    """os.environ with `values` while the block runs (the processes ray.init starts inherit them), then as before."""
+
+    def __init__(self, values: dict[str, str]):
+        self.values = values
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        return False
 
 
 def _num(x: float) -> str:

@@ -60,3 +60,37 @@ def test_a_sigterm_while_ray_starts_takes_the_drivers_clean_stop(monkeypatch):
         with _ours_after_ray():
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
         assert signal.getsignal(signal.SIGTERM) is ours  # a SIGTERM after ray.init reaches the driver's handler
+
+
+def test_a_local_ray_starts_with_the_workers_environment_so_its_actors_take_idle_workers(monkeypatch):
+    """init_ray starts a local Ray with PYTHONPATH and worker_env() in its processes' environment (the driver's own
+    comes back after), so an actor there needs no runtime_env (Ray would start it a worker of its own, ~1 s); another
+    Ray, or another MALLOC_ARENA_MAX since, gets the runtime_env."""
+    ray = pytest.importorskip("ray")
+    import specrun.actors.pool as pool
+    import specrun.actors.reaper as reaper
+
+    started, gcs = [], ["10.0.0.1:6379"]
+
+    def init(**kwargs):
+        started.append((kwargs, os.environ.get("PYTHONPATH"), os.environ.get("MALLOC_ARENA_MAX")))
+
+    monkeypatch.setattr(pool, "_LOCAL", {})
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": gcs[0]}))
+    monkeypatch.setattr(reaper, "start_reaper", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert pool.actor_runtime_env() == {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "2"}}}  # no Ray of ours yet
+    assert pool.init_ray(None, num_cpus=2)
+    [(kwargs, path, arenas)] = started
+    assert "runtime_env" not in kwargs and path == f"{pool.REPO_ROOT}{os.pathsep}/elsewhere" and arenas == "2"
+    assert os.environ["PYTHONPATH"] == "/elsewhere" and "MALLOC_ARENA_MAX" not in os.environ
+    assert pool.actor_runtime_env() == {}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "5")
+    assert pool.actor_runtime_env() == {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "5"}}}
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    gcs[0] = "10.0.0.1:6380"  # a Ray someone else started since
+    assert pool.actor_runtime_env() == {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "2"}}}
