@@ -6,9 +6,10 @@ install:
 	$(PYTHON) -m pip install -e ".[dev]"
 
 # Two processes (pytest-xdist): each test module in one of them (its fixtures made once), modules side by side
-# (tests/conftest.py).
+# (tests/conftest.py). Their torch threads, and the Ray workers of the job tests, outnumber the cores: OpenMP threads
+# that sleep at a barrier instead of spinning leave the cores to the others (the suite ~15% faster on 2 cores).
 test:
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 demo:
 	specrun generate --model smollm2 --prompt "Once upon a time" --max-tokens 200
