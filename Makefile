@@ -7,7 +7,7 @@ install:
 
 # Two processes (pytest-xdist): each test module in one of them (its fixtures made once), modules side by side
 # (tests/conftest.py). Their torch threads, and the Ray workers of the job tests, outnumber the cores: OpenMP threads
-# that sleep at a barrier instead of spinning leave the cores to the others (the suite ~15% faster on 2 cores).
+# that sleep at a barrier instead of spinning leave the cores to the others (the job tests ~15% faster on 2 cores).
 test:
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15
 

@@ -6,6 +6,7 @@ The only module besides the driver that imports ray; one actor per GPU (num_gpus
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -135,23 +136,19 @@ def _gcs_address() -> str | None:
     return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
-class _environ:
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
     """os.environ with `values` while the block runs (the processes ray.init starts inherit them), then as before."""
-
-    def __init__(self, values: dict[str, str]):
-        self.values = values
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.values}
-        os.environ.update(self.values)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        return False
 
 
 def _num(x: float) -> str:
