@@ -138,7 +138,8 @@ def _gcs_address() -> str | None:
 
 @contextlib.contextmanager
 def _environ(values: dict[str, str]):
-    """os.environ with `values` while the block runs (the processes ray.init starts inherit them), then as before."""
+    """os.environ with `values` while the block runs (the processes ray.init starts inherit them); then those keys as
+    before, and only those (not mock.patch.dict: ray.init sets others in the driver, e.g. PYTHONBREAKPOINT)."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
