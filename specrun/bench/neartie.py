@@ -127,4 +127,6 @@ def check_divergence(lm, prompt_ids: list[int], params: SamplingParams, referenc
     gap = float(scores[reference[i]] - scores[other[i]])
     if scores[other[i]] == float("-inf"):  # reduced precision moved it across the truncation boundary (min-p, ...)?
         gap = _truncation_gap(untruncated, noise, params, reference[i], other[i], tol)
+    elif scores[reference[i]] == float("-inf"):  # a reference that is not AR's run (a bench's first repeat) crossed it
+        gap = -_truncation_gap(untruncated, noise, params, other[i], reference[i], tol)
     return Divergence(i, reference[i], other[i], gap, tol, abs(gap) <= tol)

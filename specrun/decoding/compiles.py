@@ -55,7 +55,7 @@ class Compiles:
         to draft with from now on."""
         if self._layers_due(tokens):
             try:
-                self.runner.use_compiled(self.rows)
+                self.runner.use_compiled(self.rows, measured=True)
             except Exception as e:  # noqa: BLE001 (export and inductor raise many kinds; "on" built at start, raising)
                 self.layers_error = f"{type(e).__name__}: {e}"  # the eager layers serve, said once
                 print(f"specrun: the layers did not compile ({self.layers_error}); they run eagerly", file=sys.stderr,

@@ -68,8 +68,9 @@ class EngineConfig:
     step_graphs: str = "auto"  # verify forwards of up to 64 rows by static_step.py: on (CUDA graphs on CUDA, its
     # eager twin elsewhere), off, or auto (on where CUDA graphs run)
     compile_layers: str = "auto"  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py):
-    # on (when the engine starts; the 4-bit self-draft's graph with them), off, or auto (float32 where our kernels do
-    # not run the layers: at once where cached, else once an engine's generations ask for COMPILE_LAYERS_TOKENS)
+    # on (when the engine starts; the 4-bit self-draft's graph with them), off, or auto (float32 and bfloat16 where our
+    # kernels do not run the layers: at once where cached, else once an engine's generations ask for
+    # COMPILE_LAYERS_TOKENS; in bfloat16 only the packages that ran faster than the eager layers on loading)
     compile_draft: str = "auto"  # the 4-bit self-draft on torch's kernels as one compiled graph (quant_ring.py): on,
     # off, or auto (at once where its packages are cached, else once an engine's generations ask for
     # COMPILE_DRAFT_TOKENS new tokens in all; an engine of several sequences drafts with it only compiled: compiles.py)
@@ -130,7 +131,7 @@ class EngineConfig:
 
     def layers_compile(self, asked: int, eligible: Callable[[], bool], cached: Callable[[], bool]) -> bool:
         """Whether an engine whose generations asked for `asked` new tokens in all runs through the compiled layers:
-        on; auto: where eligible() (float32 on a CPU whose layers our kernels do not run, a C++ compiler), at once
+        on; auto: where eligible() (float32 or bf16 on a CPU whose layers our kernels do not run, a C++ compiler), at once
         where cached() (a load of a second or two), else once they ask for COMPILE_LAYERS_TOKENS."""
         return self.compile_layers == "on" or (self.compile_layers == "auto" and eligible()
                                                and (asked >= COMPILE_LAYERS_TOKENS or cached()))

@@ -4,11 +4,13 @@ and engines through them (solo and batched) emit their plain AR tokens."""
 
 import json
 import shutil
+import time
 import zipfile
 
 import pytest
 import torch
 
+from specrun.decoding.config import COMPILE_LAYERS_TOKENS
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.compiled import MAX_ROWS, CompiledLayers, _key
 from specrun.decoding.forward.runner import ModelRunner
@@ -134,9 +136,8 @@ def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
 def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(models, tiny_models, tmp_path,
                                                                                monkeypatch, capsys):
     """auto: where the packages are cached an engine runs through them from its first generation (the tokens "on"
-    gives); with none cached nothing builds short of COMPILE_LAYERS_TOKENS (would_build names the layers from there);
-    bfloat16 never compiles; a failed build is said once and the eager layers serve."""
-    from specrun.decoding.config import COMPILE_LAYERS_TOKENS
+    gives); with none cached nothing builds short of COMPILE_LAYERS_TOKENS (would_build names the layers from there,
+    in bfloat16 too); a failed build is said once and the eager layers serve."""
     from specrun.decoding.forward import compiled
     from specrun.models.loader import load_model
 
@@ -161,7 +162,7 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     off = Engine(fresh, EngineConfig(drafters=(), compile_layers="off"))
     assert off.would_build(10 * COMPILE_LAYERS_TOKENS) == []
     bf16 = Engine(load_model(tiny_models["qwen3"], dtype="bfloat16"), EngineConfig(drafters=()))
-    assert bf16.would_build(10 * COMPILE_LAYERS_TOKENS) == []
+    assert bf16.would_build(COMPILE_LAYERS_TOKENS - 1) == [] and bf16.would_build(COMPILE_LAYERS_TOKENS) == ["the layers"]
 
     tries = []
 
@@ -175,3 +176,47 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     assert tries == [1] and not engine.runner.compiled  # tried once, then the eager layers
     assert "the layers did not compile (RuntimeError: no compiler here); they run eagerly" in capsys.readouterr().err
     assert engine.generate(prompt, params).token_ids
+
+
+def _eager_slow_at(rows: int):
+    """A stand-in for the eager layers that takes 50 ms on `rows` rows and no time on any other count."""
+    return lambda x, cos, sin, ctx: time.sleep(0.05) if x.shape[0] == rows else None
+
+
+def test_compile_layers_auto_in_bfloat16_keeps_only_the_packages_that_beat_the_eager_layers(tiny_models, own_cache,
+                                                                                           monkeypatch):
+    """keep_faster drops a package its eager rival outran (its forwards run eagerly, warm loads it no more) and keeps
+    one that won; an auto engine in bfloat16 takes that choice (on takes both, untimed), and with every package
+    dropped it runs eagerly and loads none again."""
+    from specrun.decoding.forward import aot_package, compiled
+    from specrun.models.loader import load_model
+
+    lm = load_model(tiny_models["qwen3"], dtype="bfloat16")
+    runner = ModelRunner(lm, max_rows=16)
+    runner.use_compiled(WARM)  # as compile_layers on: both packages, untimed
+    layers = runner.decoder.compiled
+    if layers is None:
+        pytest.skip("our C kernels run the layers on this CPU (they stay the path)")
+    assert runner.compiled and sorted(layers._fns) == [0, 1] and layers.timings == {}
+    layers.keep_faster(_eager_slow_at(1))
+    assert layers.slower == {0} and layers.covers(1) and not layers.covers(4) and layers.runs
+    assert layers.timings[1][0] > layers.timings[1][1] and layers.timings[0][0] < layers.timings[0][1]
+    layers.warm(WARM)
+    assert sorted(layers._fns) == [1]  # the dropped package is not loaded again
+
+    timed = compiled.CompiledLayers.keep_faster
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
+    prompt = list(lm.tokenizer("the cat sat on the mat. the cat").input_ids)
+    config = EngineConfig(drafters=("ngram",), trie_budget=WARM)
+    for slow_rows, kept in ((1, [1]), (None, [])):  # the eager layers lose at one row, then at no row count
+        monkeypatch.setattr(compiled.CompiledLayers, "keep_faster",
+                            lambda self, eager, rows=slow_rows: timed(self, _eager_slow_at(rows)))
+        engine = Engine(load_model(tiny_models["qwen3"], dtype="bfloat16"), config)  # a new process's: cached
+        result = engine.generate(prompt, params)
+        layers = engine.runner.decoder.compiled
+        assert sorted(layers._fns) == kept and sorted(layers.load_seconds) == [0, 1] and not layers.compile_seconds
+        assert engine.runner.compiled is bool(kept) and result.stats["compiled_layers"] is bool(kept)
+        assert (layers.calls > 0) is bool(kept)
+    monkeypatch.setattr(aot_package, "load", lambda *a: pytest.fail("a dropped package was loaded again"))
+    engine.expect(COMPILE_LAYERS_TOKENS)
+    assert engine.generate(prompt, params).token_ids and not engine.runner.compiled

@@ -44,7 +44,7 @@ def test_divergence_reports_the_gap_between_the_two_tokens(load_fixture, monkeyp
 
 def test_a_token_cut_by_truncation_is_a_near_tie_only_within_tolerance_of_the_cut(load_fixture, monkeypatch):
     """Reduced precision can move a token across min-p's cut: its gap is the raise that keeps it plus how far it then
-    is below AR's token; a token far below the cut stays infinitely far."""
+    is below AR's token (negated where the reference run took it); a token far below the cut stays infinitely far."""
     lm = load_fixture("llama_mha")
     prompt = lm.tokenizer.encode("abc abc")
     params = SamplingParams(max_tokens=20, temperature=1.0, min_p=0.8, seed=3, ignore_eos=True)  # flat tiny model
@@ -62,7 +62,10 @@ def test_a_token_cut_by_truncation_is_a_near_tie_only_within_tolerance_of_the_cu
     d = check_divergence(lm, prompt, params, ref, other)
     raise_needed = float(untruncated.max() + torch.log(torch.tensor(params.min_p)) - untruncated[just_cut])
     assert raise_needed > 0 and raise_needed <= d.gap < float("inf") and d.near_tie
+    swapped = check_divergence(lm, prompt, params, other, ref)  # the reference (not AR's run) took the cut token
+    assert swapped.gap == -d.gap and swapped.near_tie
     monkeypatch.setitem(neartie.LOGIT_TOLERANCE, torch.float64, raise_needed / 2)
     assert not check_divergence(lm, prompt, params, ref, other).near_tie
+    assert not check_divergence(lm, prompt, params, other, ref).near_tie
     far_d = check_divergence(lm, prompt, params, ref, [*ref[:i], far, *ref[i + 1 :]])
     assert far_d.gap == float("inf") and not far_d.near_tie

@@ -94,24 +94,28 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def compile_layers(dec, max_rows: int) -> None:
+def compile_layers(dec, max_rows: int, measured: bool = False) -> None:
     """Run dec's forwards of up to max_rows rows (1-64) through compiled layers, loading (or building: progress on
     stderr) their packages now. CPU float32 or bfloat16; where our kernels run the layers (dec.cpu_layers) they stay
-    the path."""
+    the path. measured (compile_layers auto): in bfloat16 a package serves only where it ran faster than the eager
+    layers here (CompiledLayers.keep_faster)."""
     w = dec.layers[0].qkv.weight
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
     if dec.cpu_layers is not None:
         return
     _layers(dec).warm(max_rows)
+    if measured and w.dtype == torch.bfloat16:  # float32's packages ran faster on every host measured; bf16's did not
+        dec.compiled.keep_faster(dec.layer_stack)
 
 
 def eligible(dec) -> bool:
-    """Where compile_layers auto compiles: float32 layers on the CPU that our kernels do not run, a C++ compiler (in
-    bfloat16 torch's eager products ran faster than the compiled ones on an AVX-512 CPU)."""
+    """Where compile_layers auto compiles: float32 or bfloat16 layers on the CPU that our kernels do not run, a C++
+    compiler."""
     w = dec.layers[0].qkv.weight
     compiler = shutil.which(os.environ.get("CXX") or "g++")  # the compiler inductor runs
-    return w.device.type == "cpu" and w.dtype == torch.float32 and dec.cpu_layers is None and compiler is not None
+    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and dec.cpu_layers is None \
+        and compiler is not None
 
 
 def cached(dec, max_rows: int) -> bool:
@@ -140,14 +144,45 @@ class CompiledLayers:
         self.compile_seconds: dict[int, float] = {}
         self.load_seconds: dict[int, float] = {}
         self.calls = 0  # forwards run compiled (tests check the engines take this path)
+        self.timings: dict[int, tuple[float, float]] = {}  # key: (eager ms, compiled ms) of keep_faster's forward
+        self.slower: set[int] = set()  # keys keep_faster dropped: their forwards run eagerly, warm loads them no more
 
     def covers(self, rows: int) -> bool:
         """Whether a forward of `rows` rows has its package loaded (a forward never builds one: warm does)."""
         return _key(rows) in self._fns
 
+    @property
+    def runs(self) -> bool:
+        """Whether some forward runs compiled (a package loaded and kept)."""
+        return bool(self._fns)
+
     def cached(self, max_rows: int) -> bool:
-        """Whether warm(max_rows) builds nothing: each package it needs is loaded, or in the cache."""
-        return all(k in self._fns or self.path(k).is_file() for k in _keys(max_rows))
+        """Whether warm(max_rows) builds nothing: each package it needs is loaded, dropped, or in the cache."""
+        return all(k in self._fns or k in self.slower or self.path(k).is_file() for k in _keys(max_rows))
+
+    def keep_faster(self, eager, rounds: int = 3) -> None:
+        """Time each loaded package not yet timed against eager (decoder.layer_stack) on the same rows (1, or 8 for
+        the several-rows package), attention left out (the same op on both paths), and drop it where eager ran
+        faster; medians of `rounds` interleaved pairs."""
+        for key in [k for k in self._fns if k not in self.timings]:
+            w, D = self.stack.layers[0].w_qkv, self.stack.D
+            R = 1 if key else 8
+            x, cos, sin = w.new_ones(R, self.hidden), w.new_ones(R, 1, D), w.new_zeros(R, 1, D)
+            fn, ctx = self._fns[key], _NoAttention()
+            runs = {"eager": lambda: eager(x, cos, sin, ctx), "compiled": lambda: self._run(fn, x, cos, sin, ctx)}
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            with torch.no_grad():
+                for name in [*runs] * (rounds + 1):  # the first pair warms both
+                    t0 = time.perf_counter()
+                    runs[name]()
+                    times[name].append(time.perf_counter() - t0)
+            eager_ms, compiled_ms = (sorted(times[n][1:])[rounds // 2] * 1e3 for n in runs)
+            self.timings[key] = (eager_ms, compiled_ms)
+            if compiled_ms >= eager_ms:
+                self.slower.add(key)
+                del self._fns[key]
+        if not self._fns:
+            self._pool.clear()  # the packed weights: nothing holds them now
 
     def path(self, key: int) -> Path:
         """Where the package of key (1: one row a forward, 0: several) lives."""
@@ -158,7 +193,7 @@ class CompiledLayers:
     def warm(self, max_rows: int) -> None:
         """Load, or build, every package a forward of up to max_rows rows uses."""
         for key in _keys(max_rows):
-            if key in self._fns:
+            if key in self._fns or key in self.slower:
                 continue
             where, t0 = self.path(key), time.perf_counter()
             fn = aot_package.load(where, self.shared, self._pool)
@@ -185,12 +220,24 @@ class CompiledLayers:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """# x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm); T's package loaded (covers)"""
         self.calls += 1
+        with torch.no_grad():
+            return self._run(self._fns[_key(x.shape[0])], x, cos, sin, ctx)
+
+    @staticmethod
+    def _run(fn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         _current.ctx = ctx
         try:
-            with torch.no_grad():
-                return self._fns[_key(x.shape[0])](x.contiguous(), cos.contiguous(), sin.contiguous())
+            return fn(x.contiguous(), cos.contiguous(), sin.contiguous())
         finally:
             _current.ctx = None
+
+
+class _NoAttention:
+    """A forward context whose attention hands back its queries (keep_faster times what the two paths do not share)."""
+
+    @staticmethod
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        return q.transpose(1, 2).clone()  # [1, Hq, T, D] -> [1, T, Hq, D]; a copy: a custom op's output aliases none
 
 
 def _key(rows: int) -> int | None:

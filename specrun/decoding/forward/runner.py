@@ -31,12 +31,14 @@ class DecoderRunner:
         self.queries: list[torch.Tensor] = []  # per layer: ModelRunner's q [Hq, T, D], PagedRunner's [N, Hq, D]
         self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
 
-    def use_compiled(self, max_rows: int) -> None:
-        """Forwards of up to 64 rows through compiled layers (compiled.compile_layers), compiled now."""
+    def use_compiled(self, max_rows: int, measured: bool = False) -> None:
+        """Forwards of up to 64 rows through compiled layers (compiled.compile_layers), compiled now; measured: only
+        the packages that run faster than the eager layers (compile_layers auto)."""
         from specrun.decoding.forward.compiled import compile_layers  # inductor loads only where asked for
 
-        compile_layers(self.decoder, max_rows)
-        self.compiled = self.decoder.compiled is not None  # where our kernels run the layers they stay the path
+        compile_layers(self.decoder, max_rows, measured)
+        layers = self.decoder.compiled  # None where our kernels run the layers: they stay the path
+        self.compiled = layers is not None and layers.runs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """# hidden: [T, H] -> [T, V] (FusedDecoder.logits)"""

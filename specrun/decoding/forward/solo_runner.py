@@ -32,8 +32,8 @@ class SoloRunner:
     def compiled(self) -> bool:
         return self.runner.compiled
 
-    def use_compiled(self, max_rows: int) -> None:
-        self.runner.use_compiled(max_rows)
+    def use_compiled(self, max_rows: int, measured: bool = False) -> None:
+        self.runner.use_compiled(max_rows, measured)
 
     def use_static(self) -> None:
         """Verify forwards (no partial cache, no queries kept) through static_step's buckets from now on."""
