@@ -59,10 +59,11 @@ def run_concurrency(lm, prompts: list[list[int]], params: SamplingParams, levels
                 out.append(row)
                 outputs.append({i: res.token_ids for i, res in results.items()})
 
-    def alone(i: int) -> list[int]:  # AR of prompt i with nothing beside it
+    def alone(i: int) -> tuple[list[int], bool]:  # AR of prompt i with nothing beside it; its layers compiled?
         log(f"AR reference for prompt {i}")
         ar = dataclasses.replace(next(iter(configs.values())), drafters=())
-        return engine(ar, 1).run([(i, prompts[i], params, [])])[i].token_ids
+        result = engine(ar, 1).run([(i, prompts[i], params, [])])[i]
+        return result.token_ids, bool(result.stats.get("compiled_layers"))
 
     _check_against_ar(lm, prompts, params, out, outputs, alone)
     return out
@@ -99,7 +100,7 @@ def _row(name: str, c: int, r: int, seconds: float, results: dict) -> dict:
 
 def _compiles(batch: Engine) -> dict:
     """What an engine runs compiled once prepared: its layers (layers_compiled: None where compile_layers auto would
-    never compile them here) and its quantized self-draft (quant_draft: "compiled"; "eager": torch's CPU draft
+    never compile them here, or its packages ran slower than the eager layers here) and its quantized self-draft (quant_draft: "compiled"; "eager": torch's CPU draft
     uncompiled, qd.compilable; "kernels": a draft with no compile to leave out, our C kernels' or torch's on CUDA; None:
     no such drafter). compile_notes reads "eager" as Compiles.drafting does: several sequences leave it out."""
     from specrun.decoding.drafters.quant_ring import RingForward
@@ -108,7 +109,8 @@ def _compiles(batch: Engine) -> dict:
     quant, runner = batch.quant, batch.runner
     draft = None if quant is None else "compiled" if isinstance(quant, RingForward) else \
         "eager" if compilable(quant) else "kernels"
-    layers = True if runner.compiled else False if eligible(runner.decoder) else None
+    dropped = runner.decoder.compiled is not None and runner.decoder.compiled.slower  # CompiledLayers.keep_faster
+    layers = True if runner.compiled else False if eligible(runner.decoder) and not dropped else None
     return {"layers_compiled": layers, "quant_draft": draft}
 
 
@@ -133,26 +135,26 @@ def compile_notes(rows: list[dict], configs: dict[str, EngineConfig]) -> list[st
 
 
 def _check_against_ar(lm, prompts, params, rows: list[dict], outputs: list[dict],
-                      alone: Callable[[int], list[int]]) -> None:
+                      alone: Callable[[int], tuple[list[int], bool]]) -> None:
     """Adds identical_to_ar and divergences (first_diff, gap, near_tie per differing prompt) to every row. A prompt's
     reference is its AR run alone: the first AR run at concurrency 1 where there is one, else alone(i)."""
-    reference: dict[int, list[int]] = {}
+    reference: dict[int, tuple[list[int], bool]] = {}  # prompt: AR's tokens, whether its layers ran compiled
     for row, tokens in zip(rows, outputs):
         if row["name"] == REFERENCE and row["concurrency"] == 1:
             for i, toks in tokens.items():
-                reference.setdefault(i, toks)
+                reference.setdefault(i, (toks, row.get("layers_compiled") is True))
     checked: dict = {}
     for row, tokens in zip(rows, outputs):
         row["divergences"] = []
         for i, toks in tokens.items():
             if i not in reference:
                 reference[i] = alone(i)
-            ref = reference[i]
+            ref, compiled = reference[i]
             if toks == ref:
                 continue
             key = (i, tuple(toks[: len(ref)]))
-            if key not in checked:  # each distinct divergence replays AR once
-                checked[key] = check_divergence(lm, prompts[i], params, ref, toks)
+            if key not in checked:  # each distinct divergence replays AR once, through the layers it ran
+                checked[key] = check_divergence(lm, prompts[i], params, ref, toks, compiled=compiled)
             row["divergences"].append({"prompt": i, **checked[key].as_dict()})
         row["identical_to_ar"] = not row["divergences"]
         row["lossless"] = all(d["near_tie"] for d in row["divergences"])

@@ -47,16 +47,17 @@ def tolerance(dtype: torch.dtype, params: SamplingParams) -> float:
 
 
 def ar_scores(lm, prompt_ids: list[int], generated: list[int], params: SamplingParams,
-              prefill_chunk: int = 256) -> torch.Tensor:
-    """AR's scores for the token after prompt + generated: what AR takes the argmax of there.
+              prefill_chunk: int = 256, compiled: bool = False) -> torch.Tensor:
+    """AR's scores for the token after prompt + generated: what AR takes the argmax of there (compiled: AR ran
+    through the decoder's compiled layers, which differ from the eager ones in the last bits).
 
     # -> [V] float64 (processed logits, plus Gumbel noise at position len(prompt)+len(generated) when sampling)
     """
-    untruncated, noise = _ar_row(lm, prompt_ids, generated, params, prefill_chunk)
+    untruncated, noise = _ar_row(lm, prompt_ids, generated, params, prefill_chunk, compiled)
     return _scores(untruncated, noise, params)
 
 
-def _ar_row(lm, prompt_ids, generated, params, prefill_chunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ar_row(lm, prompt_ids, generated, params, prefill_chunk, compiled=False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AR's logits there after penalty and temperature (before truncation), and the noise when sampling.
 
     Replays AR's own forwards (chunked prefill of the prompt, then one row per generated token) so that in reduced
@@ -66,6 +67,7 @@ def _ar_row(lm, prompt_ids, generated, params, prefill_chunk) -> tuple[torch.Ten
     context = [*prompt_ids, *generated]
     n, dev = len(context), lm.device
     runner = ModelRunner(lm, max_rows=prefill_chunk)
+    runner.compiled = compiled  # the packages AR ran are the decoder's, loaded (a forward they do not cover: eager)
     runner.reset(n + 1)
     seq = torch.tensor(context, dtype=torch.long, device=dev)
     runner.prefill(seq[: len(prompt_ids) - 1], prefill_chunk)
@@ -113,8 +115,9 @@ def _truncation_gap(untruncated, noise, params, ref: int, other: int, tol: float
 
 
 def check_divergence(lm, prompt_ids: list[int], params: SamplingParams, reference: list[int], other: list[int],
-                     prefill_chunk: int = 256) -> Divergence | None:
-    """None when `other` equals `reference` (AR's tokens); else the first divergence and whether it is a near tie."""
+                     prefill_chunk: int = 256, compiled: bool = False) -> Divergence | None:
+    """None when `other` equals `reference` (AR's tokens; compiled: AR ran through the compiled layers); else the
+    first divergence and whether it is a near tie."""
     i = first_diff(other, reference)
     if i is None:
         return None
@@ -122,7 +125,7 @@ def check_divergence(lm, prompt_ids: list[int], params: SamplingParams, referenc
     if i >= len(other) or i >= len(reference):  # one stopped early: not a tie between two tokens
         return Divergence(i, reference[i] if i < len(reference) else -1, other[i] if i < len(other) else -1,
                           float("inf"), tol, False)
-    untruncated, noise = _ar_row(lm, prompt_ids, reference[:i], params, prefill_chunk)
+    untruncated, noise = _ar_row(lm, prompt_ids, reference[:i], params, prefill_chunk, compiled)
     scores = _scores(untruncated, noise, params)
     gap = float(scores[reference[i]] - scores[other[i]])
     if scores[other[i]] == float("-inf"):  # reduced precision moved it across the truncation boundary (min-p, ...)?

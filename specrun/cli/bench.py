@@ -174,8 +174,10 @@ def bench(prompt, prompt_file, max_tokens, repeat, lengths, warmup, only, gguf, 
     from specrun.bench.neartie import check_divergence
 
     run_params = bench_params(params, n)  # as run_bench ran them
+    ref_run = next((m for m in ms if m.name == report["reference"] and m.repeat == 0), None)
+    compiled = bool(ref_run and ref_run.stats.get("compiled_layers"))  # AR's replay takes the layers it ran
     annotate_divergences(report, ms, lambda ref, toks: check_divergence(lm, prompt_ids, run_params, ref, toks,
-                                                                               base.prefill_chunk))
+                                                                               base.prefill_chunk, compiled))
     add_roofline(report, roofline(lm, len(prompt_ids) + n // 2, probes))
     if as_json:
         click.echo(json.dumps(report))

@@ -217,7 +217,7 @@ def test_concurrency_rows_report_each_divergence_from_ar_with_its_gap(load_fixtu
             {"name": "specrun_ar", "concurrency": 4}]
     asked = []
     _check_against_ar(lm, [prompt, prompt], params, rows, [{0: other, 1: ref}, {0: ref}, {0: ref, 1: other}],
-                      alone=lambda i: asked.append(i) or ref)
+                      alone=lambda i: asked.append(i) or (ref, False))
     assert asked == [1]  # prompt 1 never ran alone: its reference is made once
     (d,) = rows[0]["divergences"]
     assert d["prompt"] == 0 and d["first_diff"] == 4 and d["other_token"] == other[4] and d["gap"] > 0

@@ -10,6 +10,7 @@ import zipfile
 import pytest
 import torch
 
+from specrun.bench.neartie import ar_scores
 from specrun.decoding.config import COMPILE_LAYERS_TOKENS
 from specrun.decoding.engine import BatchConfig, Engine, EngineConfig
 from specrun.decoding.forward.compiled import MAX_ROWS, CompiledLayers, _key
@@ -211,12 +212,19 @@ def test_compile_layers_auto_in_bfloat16_keeps_only_the_packages_that_beat_the_e
     for slow_rows, kept in ((1, [1]), (None, [])):  # the eager layers lose at one row, then at no row count
         monkeypatch.setattr(compiled.CompiledLayers, "keep_faster",
                             lambda self, eager, rows=slow_rows: timed(self, _eager_slow_at(rows)))
-        engine = Engine(load_model(tiny_models["qwen3"], dtype="bfloat16"), config)  # a new process's: cached
+        later = load_model(tiny_models["qwen3"], dtype="bfloat16")  # a new process's: the packages cached
+        engine = Engine(later, config)
         result = engine.generate(prompt, params)
         layers = engine.runner.decoder.compiled
         assert sorted(layers._fns) == kept and sorted(layers.load_seconds) == [0, 1] and not layers.compile_seconds
         assert engine.runner.compiled is bool(kept) and result.stats["compiled_layers"] is bool(kept)
         assert (layers.calls > 0) is bool(kept)
+        ar = Engine(later, EngineConfig(drafters=())).generate(prompt, params)  # its rows: one a forward
+        calls = layers.calls
+        for i in (0, 9, 23):  # the near-tie check's replay of AR runs the layers AR ran, so AR's choice is its argmax
+            assert int(ar_scores(later, prompt, ar.token_ids[:i], params, compiled=ar.stats["compiled_layers"])
+                       .argmax()) == ar.token_ids[i]
+        assert (layers.calls > calls) is bool(kept)
     monkeypatch.setattr(aot_package, "load", lambda *a: pytest.fail("a dropped package was loaded again"))
     engine.expect(COMPILE_LAYERS_TOKENS)
     assert engine.generate(prompt, params).token_ids and not engine.runner.compiled
