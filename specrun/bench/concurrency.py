@@ -100,9 +100,10 @@ def _row(name: str, c: int, r: int, seconds: float, results: dict) -> dict:
 
 def _compiles(batch: Engine) -> dict:
     """What an engine runs compiled once prepared: its layers (layers_compiled: None where compile_layers auto would
-    never compile them here, or its packages ran slower than the eager layers here) and its quantized self-draft (quant_draft: "compiled"; "eager": torch's CPU draft
-    uncompiled, qd.compilable; "kernels": a draft with no compile to leave out, our C kernels' or torch's on CUDA; None:
-    no such drafter). compile_notes reads "eager" as Compiles.drafting does: several sequences leave it out."""
+    never compile them here, or its packages ran slower than the eager layers here) and its quantized self-draft
+    (quant_draft: "compiled"; "eager": torch's CPU draft uncompiled, qd.compilable; "kernels": a draft with no compile
+    to leave out, our C kernels' or torch's on CUDA; None: no such drafter). compile_notes reads "eager" as
+    Compiles.drafting does: several sequences leave it out."""
     from specrun.decoding.drafters.quant_ring import RingForward
     from specrun.decoding.forward.compiled import eligible
 

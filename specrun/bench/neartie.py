@@ -57,7 +57,8 @@ def ar_scores(lm, prompt_ids: list[int], generated: list[int], params: SamplingP
     return _scores(untruncated, noise, params)
 
 
-def _ar_row(lm, prompt_ids, generated, params, prefill_chunk, compiled=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ar_row(lm, prompt_ids, generated, params, prefill_chunk,
+            compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AR's logits there after penalty and temperature (before truncation), and the noise when sampling.
 
     Replays AR's own forwards (chunked prefill of the prompt, then one row per generated token) so that in reduced

@@ -131,8 +131,8 @@ class EngineConfig:
 
     def layers_compile(self, asked: int, eligible: Callable[[], bool], cached: Callable[[], bool]) -> bool:
         """Whether an engine whose generations asked for `asked` new tokens in all runs through the compiled layers:
-        on; auto: where eligible() (float32 or bf16 on a CPU whose layers our kernels do not run, a C++ compiler), at once
-        where cached() (a load of a second or two), else once they ask for COMPILE_LAYERS_TOKENS."""
+        on; auto: where eligible() (float32 or bf16 on a CPU whose layers our kernels do not run, a C++ compiler), at
+        once where cached() (a load of a second or two), else once they ask for COMPILE_LAYERS_TOKENS."""
         return self.compile_layers == "on" or (self.compile_layers == "auto" and eligible()
                                                and (asked >= COMPILE_LAYERS_TOKENS or cached()))
 

@@ -163,7 +163,8 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     off = Engine(fresh, EngineConfig(drafters=(), compile_layers="off"))
     assert off.would_build(10 * COMPILE_LAYERS_TOKENS) == []
     bf16 = Engine(load_model(tiny_models["qwen3"], dtype="bfloat16"), EngineConfig(drafters=()))
-    assert bf16.would_build(COMPILE_LAYERS_TOKENS - 1) == [] and bf16.would_build(COMPILE_LAYERS_TOKENS) == ["the layers"]
+    assert bf16.would_build(COMPILE_LAYERS_TOKENS - 1) == []
+    assert bf16.would_build(COMPILE_LAYERS_TOKENS) == ["the layers"]
 
     tries = []
 
