@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -104,9 +105,10 @@ def compile_layers(dec, max_rows: int, measured: bool = False) -> None:
         raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
     if dec.cpu_layers is not None:
         return
-    _layers(dec).warm(max_rows)
+    layers = _layers(dec)
+    layers.warm(max_rows)
     if measured and w.dtype == torch.bfloat16:  # float32's packages ran faster on every host measured; bf16's did not
-        dec.compiled.keep_faster(dec.layer_stack)
+        layers.keep_faster(dec.layer_stack)
 
 
 def eligible(dec) -> bool:
@@ -145,11 +147,15 @@ class CompiledLayers:
         self.load_seconds: dict[int, float] = {}
         self.calls = 0  # forwards run compiled (tests check the engines take this path)
         self.timings: dict[int, tuple[float, float]] = {}  # key: (eager ms, compiled ms) of keep_faster's forward
-        self.slower: set[int] = set()  # keys keep_faster dropped: their forwards run eagerly, warm loads them no more
 
     def covers(self, rows: int) -> bool:
         """Whether a forward of `rows` rows has its package loaded (a forward never builds one: warm does)."""
         return _key(rows) in self._fns
+
+    @property
+    def slower(self) -> set[int]:
+        """The keys keep_faster dropped: their forwards run eagerly, warm loads them no more."""
+        return {key for key, (eager_ms, compiled_ms) in self.timings.items() if compiled_ms >= eager_ms}
 
     @property
     def runs(self) -> bool:
@@ -164,8 +170,8 @@ class CompiledLayers:
         """Time each loaded package not yet timed against eager (decoder.layer_stack) on the same rows (1, or 8 for
         the several-rows package), attention left out (the same op on both paths), and drop it where eager ran
         faster; medians of `rounds` interleaved pairs."""
+        w, D = self.stack.layers[0].w_qkv, self.stack.D
         for key in [k for k in self._fns if k not in self.timings]:
-            w, D = self.stack.layers[0].w_qkv, self.stack.D
             R = 1 if key else 8
             x, cos, sin = w.new_ones(R, self.hidden), w.new_ones(R, 1, D), w.new_zeros(R, 1, D)
             fn, ctx = self._fns[key], _NoAttention()
@@ -176,10 +182,8 @@ class CompiledLayers:
                     t0 = time.perf_counter()
                     runs[name]()
                     times[name].append(time.perf_counter() - t0)
-            eager_ms, compiled_ms = (sorted(times[n][1:])[rounds // 2] * 1e3 for n in runs)
-            self.timings[key] = (eager_ms, compiled_ms)
-            if compiled_ms >= eager_ms:
-                self.slower.add(key)
+            self.timings[key] = tuple(statistics.median(times[name][1:]) * 1e3 for name in runs)
+            if key in self.slower:
                 del self._fns[key]
         if not self._fns:
             self._pool.clear()  # the packed weights: nothing holds them now
