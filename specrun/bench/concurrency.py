@@ -110,7 +110,7 @@ def _compiles(batch: Engine) -> dict:
     quant, runner = batch.quant, batch.runner
     draft = None if quant is None else "compiled" if isinstance(quant, RingForward) else \
         "eager" if compilable(quant) else "kernels"
-    dropped = runner.decoder.compiled is not None and runner.decoder.compiled.slower  # CompiledLayers.keep_faster
+    dropped = runner.decoder.compiled is not None and runner.decoder.compiled.dropped  # CompiledLayers.keep_faster
     layers = True if runner.compiled else False if eligible(runner.decoder) and not dropped else None
     return {"layers_compiled": layers, "quant_draft": draft}
 

@@ -105,8 +105,9 @@ engine_options = stack_options(
                       "ahead of time by inductor (AOTInductor, weights frozen in). Built once per machine and model "
                       "(about a minute for each of two packages on smollm2 with 2 threads: one row a forward, "
                       "several), kept in the specrun cache, loaded in a second or two after. auto: at once where "
-                      "cached, else once a worker's generations ask for 16,384 new tokens in all; in bfloat16 only "
-                      "the packages that run faster than the eager layers (timed when loaded)."),
+                      "cached, else once a worker's generations ask for 16,384 new tokens in all; in bfloat16 each "
+                      "package serves only the row counts at which it ran faster than the eager layers (timed when "
+                      "loaded)."),
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                  help="CPUs where specrun's kernels do not run: the quantized self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "

@@ -180,16 +180,17 @@ def test_compile_layers_auto_loads_what_is_cached_and_builds_only_for_long_runs(
     assert engine.generate(prompt, params).token_ids
 
 
-def _eager_slow_at(rows: int):
-    """A stand-in for the eager layers that takes 50 ms on `rows` rows and no time on any other count."""
-    return lambda x, cos, sin, ctx: time.sleep(0.05) if x.shape[0] == rows else None
+def _eager_slow_to(rows: int):
+    """A stand-in for the eager layers that takes 50 ms on up to `rows` rows and no time on more."""
+    return lambda x, cos, sin, ctx: time.sleep(0.05) if x.shape[0] <= rows else None
 
 
 def test_compile_layers_auto_in_bfloat16_keeps_only_the_packages_that_beat_the_eager_layers(tiny_models, own_cache,
                                                                                            monkeypatch):
-    """keep_faster drops a package its eager rival outran (its forwards run eagerly, warm loads it no more) and keeps
-    one that won; an auto engine in bfloat16 takes that choice (on takes both, untimed), and with every package
-    dropped it runs eagerly and loads none again."""
+    """keep_faster drops a package its eager rival outran (its forwards run eagerly, warm loads it no more), keeps
+    one that won, and serves the several-rows package's forwards up to the most rows it won at; an auto engine in
+    bfloat16 takes that choice (on takes both, untimed), and with every package dropped it runs eagerly and loads none
+    again."""
     from specrun.decoding.forward import aot_package, compiled
     from specrun.models.loader import load_model
 
@@ -199,20 +200,28 @@ def test_compile_layers_auto_in_bfloat16_keeps_only_the_packages_that_beat_the_e
     layers = runner.decoder.compiled
     if layers is None:
         pytest.skip("our C kernels run the layers on this CPU (they stay the path)")
-    assert runner.compiled and sorted(layers._fns) == [0, 1] and layers.timings == {}
-    layers.keep_faster(_eager_slow_at(1))
-    assert layers.slower == {0} and layers.covers(1) and not layers.covers(4) and layers.runs
-    assert layers.timings[1][0] > layers.timings[1][1] and layers.timings[0][0] < layers.timings[0][1]
+    assert runner.compiled and sorted(layers._fns) == [0, 1] and layers.timings == {} and layers.covers(64)
+    layers.keep_faster(_eager_slow_to(1))
+    assert layers.dropped == {0} and layers.covers(1) and not layers.covers(2) and layers.runs
+    assert layers.timings[1][0] > layers.timings[1][1] and layers.timings[4][0] < layers.timings[4][1]
+    assert sorted(layers.timings) == [1, 4]  # timing stops at the first row count eager wins
     layers.warm(WARM)
     assert sorted(layers._fns) == [1]  # the dropped package is not loaded again
+
+    for slow_rows, max_rows, timed_rows, served in ((8, 64, [1, 4, 8, 16], 8), (64, 16, [1, 4, 8, 16], 16)):
+        several = compiled.CompiledLayers(runner.decoder)  # another process's: the packages loaded from the cache
+        several.warm(WARM)
+        several.keep_faster(_eager_slow_to(slow_rows), max_rows)  # eager wins above slow_rows; none above max_rows'
+        assert sorted(several.timings) == timed_rows and several.served == {1: 1, 0: served} and not several.dropped
+        assert [several.covers(r) for r in (1, 2, 8, 9, 16, 17)] == [True] * 3 + [served > 8] * 2 + [False]
 
     timed = compiled.CompiledLayers.keep_faster
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=5)
     prompt = list(lm.tokenizer("the cat sat on the mat. the cat").input_ids)
     config = EngineConfig(drafters=("ngram",), trie_budget=WARM)
-    for slow_rows, kept in ((1, [1]), (None, [])):  # the eager layers lose at one row, then at no row count
+    for slow_rows, kept in ((1, [1]), (0, [])):  # the eager layers lose at one row, then at no row count
         monkeypatch.setattr(compiled.CompiledLayers, "keep_faster",
-                            lambda self, eager, rows=slow_rows: timed(self, _eager_slow_at(rows)))
+                            lambda self, eager, max_rows, rows=slow_rows: timed(self, _eager_slow_to(rows), max_rows))
         later = load_model(tiny_models["qwen3"], dtype="bfloat16")  # a new process's: the packages cached
         engine = Engine(later, config)
         result = engine.generate(prompt, params)

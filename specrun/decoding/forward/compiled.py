@@ -4,9 +4,10 @@ and 2 to 64 rows, each built once per machine in the specrun cache (aot_package.
 
 CompiledLayers(decoder)(x, cos, sin, ctx) computes what decoder.layer_stack does; attention stays the context's own
 (one opaque op a layer, which the package calls back: its cache writes and masks are the eager ones), and so does the
-lm head (compiled, it ran no faster: docs/benchmarks.md, stop 47). A row's products do not depend on the
-rows beside it (one K slice, in both packages); torch's attention can, in the last bits (docs/design.md section 2).
-A package holds the packed weights only: the model's own are handed to it at load.
+lm head (compiled, it ran no faster: docs/benchmarks.md, stop 47). A row's products do not depend on the rows beside
+it (one K slice, in both packages; bf16 register blocks of at most 4 rows, gemm_blocking.py); torch's attention can,
+in the last bits (docs/design.md section 2). A package holds the packed weights only: the model's own are handed to
+it at load.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specrun.decoding.forward import aot_package
-from specrun.decoding.forward.decoder import ROW_BUCKETS, mlp_residual, rotated_qkv
+from specrun.decoding.forward import aot_package, gemm_blocking
+from specrun.decoding.forward.decoder import ROW_BUCKETS, mlp_residual, rotated_qkv, rows_bucket
 from specrun.models.cache import cache_root
 
 OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template, one K slice (the order of a row's sum
@@ -35,7 +36,8 @@ OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template,
 }
 MAX_ROWS = ROW_BUCKETS[-1]  # rows of the largest forward through the packages; more rows run eagerly
 PREFIX = "layers"
-SOURCES = ("compiled.py", "decoder.py", "aot_package.py")  # the code the packages trace: a change names new ones
+SOURCES = ("compiled.py", "decoder.py", "aot_package.py", "gemm_blocking.py")  # the code the packages trace: a change
+# names new ones
 _current = threading.local()  # the context of the forward in flight (the opaque attention op reads it)
 
 
@@ -98,8 +100,8 @@ class _Stack(torch.nn.Module):
 def compile_layers(dec, max_rows: int, measured: bool = False) -> None:
     """Run dec's forwards of up to max_rows rows (1-64) through compiled layers, loading (or building: progress on
     stderr) their packages now. CPU float32 or bfloat16; where our kernels run the layers (dec.cpu_layers) they stay
-    the path. measured (compile_layers auto): in bfloat16 a package serves only where it ran faster than the eager
-    layers here (CompiledLayers.keep_faster)."""
+    the path. measured (compile_layers auto): in bfloat16 a package serves only the row counts at which it ran faster
+    than the eager layers here (CompiledLayers.keep_faster)."""
     w = dec.layers[0].qkv.weight
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
@@ -108,7 +110,7 @@ def compile_layers(dec, max_rows: int, measured: bool = False) -> None:
     layers = _layers(dec)
     layers.warm(max_rows)
     if measured and w.dtype == torch.bfloat16:  # float32's packages ran faster on every host measured; bf16's did not
-        layers.keep_faster(dec.layer_stack)
+        layers.keep_faster(dec.layer_stack, max_rows)
 
 
 def eligible(dec) -> bool:
@@ -146,16 +148,18 @@ class CompiledLayers:
         self.compile_seconds: dict[int, float] = {}
         self.load_seconds: dict[int, float] = {}
         self.calls = 0  # forwards run compiled (tests check the engines take this path)
-        self.timings: dict[int, tuple[float, float]] = {}  # key: (eager ms, compiled ms) of keep_faster's forward
+        self.timings: dict[int, tuple[float, float]] = {}  # rows: (eager ms, compiled ms) of keep_faster's forwards
+        self.served: dict[int, int] = {}  # key: the most rows a forward through it takes once timed (0: dropped)
 
     def covers(self, rows: int) -> bool:
         """Whether a forward of `rows` rows has its package loaded (a forward never builds one: warm does)."""
-        return _key(rows) in self._fns
+        key = _key(rows)
+        return key in self._fns and rows <= self.served.get(key, MAX_ROWS)
 
     @property
-    def slower(self) -> set[int]:
+    def dropped(self) -> set[int]:
         """The keys keep_faster dropped: their forwards run eagerly, warm loads them no more."""
-        return {key for key, (eager_ms, compiled_ms) in self.timings.items() if compiled_ms >= eager_ms}
+        return {key for key, rows in self.served.items() if not rows}
 
     @property
     def runs(self) -> bool:
@@ -164,29 +168,40 @@ class CompiledLayers:
 
     def cached(self, max_rows: int) -> bool:
         """Whether warm(max_rows) builds nothing: each package it needs is loaded, dropped, or in the cache."""
-        return all(k in self._fns or k in self.slower or self.path(k).is_file() for k in _keys(max_rows))
+        return all(k in self._fns or k in self.dropped or self.path(k).is_file() for k in _keys(max_rows))
 
-    def keep_faster(self, eager, rounds: int = 3) -> None:
-        """Time each loaded package not yet timed against eager (decoder.layer_stack) on the same rows (1, or 8 for
-        the several-rows package), attention left out (the same op on both paths), and drop it where eager ran
-        faster; medians of `rounds` interleaved pairs."""
-        w, D = self.stack.layers[0].w_qkv, self.stack.D
-        for key in [k for k in self._fns if k not in self.timings]:
-            R = 1 if key else 8
-            x, cos, sin = w.new_ones(R, self.hidden), w.new_ones(R, 1, D), w.new_zeros(R, 1, D)
-            fn, ctx = self._fns[key], _NoAttention()
-            runs = {"eager": lambda: eager(x, cos, sin, ctx), "compiled": lambda: self._run(fn, x, cos, sin, ctx)}
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            with torch.no_grad():
-                for name in [*runs] * (rounds + 1):  # the first pair warms both
-                    t0 = time.perf_counter()
-                    runs[name]()
-                    times[name].append(time.perf_counter() - t0)
-            self.timings[key] = tuple(statistics.median(times[name][1:]) * 1e3 for name in runs)
-            if key in self.slower:
+    def keep_faster(self, eager, max_rows: int = MAX_ROWS, rounds: int = 3) -> None:
+        """Time each loaded package not yet timed against eager (decoder.layer_stack) on the same rows, attention left
+        out (the same op on both paths): the one-row package on 1 row, the other on 4, 8, ... rows (up to max_rows'
+        bucket) until eager wins. A package serves forwards of up to the most rows it won at, the rest run eagerly;
+        one that won at none is dropped. Medians of `rounds` interleaved pairs."""
+        top = rows_bucket(max(max_rows, ROW_BUCKETS[2])) or MAX_ROWS
+        for key in [k for k in self._fns if k not in self.served]:
+            self.served[key] = 0
+            for R in (1,) if key else [r for r in ROW_BUCKETS[2:] if r <= top]:
+                self.timings[R] = self._race(self._fns[key], eager, R, rounds)
+                if self.timings[R][1] >= self.timings[R][0]:
+                    break
+                self.served[key] = R
+            if not self.served[key]:
                 del self._fns[key]
         if not self._fns:
             self._pool.clear()  # the packed weights: nothing holds them now
+
+    def _race(self, fn, eager, R: int, rounds: int) -> tuple[float, float]:
+        """(eager ms, compiled ms) of a forward of R rows: medians of `rounds` pairs after a pair that warms both."""
+        w, D = self.stack.layers[0].w_qkv, self.stack.D
+        x, cos, sin = w.new_ones(R, self.hidden), w.new_ones(R, 1, D), w.new_zeros(R, 1, D)
+        ctx = _NoAttention()
+        runs = (lambda: eager(x, cos, sin, ctx), lambda: self._run(fn, x, cos, sin, ctx))
+        times: tuple[list[float], list[float]] = ([], [])
+        with torch.no_grad():
+            for _ in range(rounds + 1):
+                for run, spent in zip(runs, times):
+                    t0 = time.perf_counter()
+                    run()
+                    spent.append(time.perf_counter() - t0)
+        return statistics.median(times[0][1:]) * 1e3, statistics.median(times[1][1:]) * 1e3
 
     def path(self, key: int) -> Path:
         """Where the package of key (1: one row a forward, 0: several) lives."""
@@ -197,7 +212,7 @@ class CompiledLayers:
     def warm(self, max_rows: int) -> None:
         """Load, or build, every package a forward of up to max_rows rows uses."""
         for key in _keys(max_rows):
-            if key in self._fns or key in self.slower:
+            if key in self._fns or key in self.dropped:
                 continue
             where, t0 = self.path(key), time.perf_counter()
             fn = aot_package.load(where, self.shared, self._pool)
@@ -219,7 +234,8 @@ class CompiledLayers:
         dims = None if key else {"x": {0: rows}, "cos": {0: rows}, "sin": {0: rows}}
         with torch.inference_mode():  # as the decoder's forwards run
             program = torch.export.export(self.stack, example, dynamic_shapes=dims)
-        return aot_package.write(program, OPTIONS, where, PREFIX, self.shared, self._pool)
+        with gemm_blocking.capped_rows():
+            return aot_package.write(program, OPTIONS, where, PREFIX, self.shared, self._pool)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         """# x: [T, H], cos/sin: [T, 1, D] -> [T, H] (before the final norm); T's package loaded (covers)"""
