@@ -4,7 +4,7 @@ and 2 to 64 rows, each built once per machine in the specrun cache (aot_package.
 
 CompiledLayers(decoder)(x, cos, sin, ctx) computes what decoder.layer_stack does; attention stays the context's own
 (one opaque op a layer, which the package calls back: its cache writes and masks are the eager ones), and so does the
-lm head (compiled, it ran no faster: docs/benchmarks.md, stop 47). A row's products do not depend on the rows beside
+lm head (docs/benchmarks.md, stops 47 and 83). A row's products do not depend on the rows beside
 it (one K slice, in both packages; bf16 register blocks of at most 4 rows, gemm_blocking.py); torch's attention can,
 in the last bits (docs/design.md section 2). A package holds the packed weights only: the model's own are handed to
 it at load.

@@ -1,10 +1,9 @@
 """Inductor's register blocking for the compiled layers' bfloat16 products on AVX-512: at most ROWS rows a block.
-Its default (8 rows by 48 columns) ran slower than the eager layers from 5 rows up; a block's sums are the same.
+Its default block (8 rows by 48 columns) ran several times slower per row from 5 rows up; the sums are the same.
 
-Inductor chooses a micro-kernel from a table with no setting of its own (codegen/cpp_micro_gemm.py); capped_rows()
-narrows that table while a package builds. Its default 8 x 48 block of bf16 inputs (24 accumulators, the inputs
-widened to float32 beside them) ran 2-4x slower per row than a 4 x 48 one from 5 rows up (docs/benchmarks.md, stop
-83); each output's sum runs over K in the same order either way, so a row's values do not change.
+Inductor chooses its micro-kernel from a table it has no setting for (codegen/cpp_micro_gemm.py): capped_rows()
+narrows that table while a package builds. Each output's sum runs over K in the same order whatever the block's rows,
+so a row's values do not change (docs/benchmarks.md, stop 83).
 """
 
 from __future__ import annotations
