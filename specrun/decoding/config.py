@@ -70,7 +70,7 @@ class EngineConfig:
     compile_layers: str = "auto"  # forwards of up to 64 rows through layers compiled by inductor (CPU; compiled.py):
     # on (when the engine starts; the 4-bit self-draft's graph with them), off, or auto (float32 and bfloat16 where our
     # kernels do not run the layers: at once where cached, else once an engine's generations ask for
-    # COMPILE_LAYERS_TOKENS; in bfloat16 only the packages that ran faster than the eager layers on loading)
+    # COMPILE_LAYERS_TOKENS; in bfloat16 each package serves only the row counts it ran faster at on loading)
     compile_draft: str = "auto"  # the 4-bit self-draft on torch's kernels as one compiled graph (quant_ring.py): on,
     # off, or auto (at once where its packages are cached, else once an engine's generations ask for
     # COMPILE_DRAFT_TOKENS new tokens in all; an engine of several sequences drafts with it only compiled: compiles.py)

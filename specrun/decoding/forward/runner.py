@@ -32,8 +32,8 @@ class DecoderRunner:
         self.compiled = False  # forwards through the decoder's compiled layers (use_compiled)
 
     def use_compiled(self, max_rows: int, measured: bool = False) -> None:
-        """Forwards of up to 64 rows through compiled layers (compiled.compile_layers), compiled now; measured: only
-        the packages that run faster than the eager layers (compile_layers auto)."""
+        """Forwards of up to 64 rows through compiled layers (compiled.compile_layers), compiled now; measured: each
+        package only for the row counts at which it ran faster than the eager layers (compile_layers auto)."""
         from specrun.decoding.forward.compiled import compile_layers  # inductor loads only where asked for
 
         compile_layers(self.decoder, max_rows, measured)
