@@ -114,16 +114,36 @@ def test_a_later_process_loads_the_packages_which_hold_no_copy_of_the_weights(mo
         assert len(stored) >= 4 * len(lm.model.model.layers)  # the packed products, four a layer
 
 
+def test_compiled_head_gives_each_row_its_one_row_logits(models):
+    """The LM head's packages (built beside the layers'): a row's logits do not depend on the rows beside it (the
+    one-row package's, bit for bit), equal the eager head's within rounding, and a runner's logits go through them
+    only where its layers run compiled."""
+    lm = models["qwen3"]
+    runner = ModelRunner(lm, max_rows=16)
+    runner.use_compiled(WARM)
+    head = runner.decoder.compiled_head
+    assert runner.compiled and sorted(head._fns) == [0, 1]
+    hidden = torch.randn(5, lm.model.config.hidden_size)
+    calls = head.calls
+    rows = runner.logits(hidden)  # the several-rows package
+    for i in range(5):
+        assert torch.equal(runner.logits(hidden[i : i + 1]), rows[i : i + 1])  # the one-row package
+    assert head.calls == calls + 6
+    torch.testing.assert_close(rows, runner.decoder.lm_head(hidden).float(), rtol=1e-4, atol=1e-4)
+    runner.compiled = False
+    assert torch.equal(runner.logits(hidden), runner.decoder.lm_head(hidden).float()) and head.calls == calls + 6
+
+
 def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
     lm = models["qwen3"]
     params = SamplingParams(max_tokens=40, temperature=0.0)
     prompt = list(lm.tokenizer("the cat sat on the mat. the cat sat on the mat. the cat").input_ids)
     eager = EngineConfig(drafters=(), compile_layers="off")
     ar = Engine(lm, eager).generate(prompt, params).token_ids
-    compiled = lm.model._specrun_decoder.compiled
-    calls = compiled.calls
+    compiled, head = lm.model._specrun_decoder.compiled, lm.model._specrun_decoder.compiled_head
+    calls, head_calls = compiled.calls, head.calls
     spec = Engine(lm, EngineConfig(drafters=("ngram",), trie_budget=WARM, compile_layers="on")).generate(prompt, params)
-    assert spec.token_ids == ar and compiled.calls > calls
+    assert spec.token_ids == ar and compiled.calls > calls and head.calls > head_calls
     sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3)
     want = Engine(lm, eager).generate(prompt, sampled).token_ids
     calls = compiled.calls

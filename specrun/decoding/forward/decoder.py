@@ -159,6 +159,7 @@ class FusedDecoder:
         self.lm_head = Linear.of(model.get_output_embeddings())  # [V, H]
         self.cpu_layers = CpuLayers.of(self, cpu_kernels())  # CPU bf16 or float32: every layer in one call
         self.compiled = None  # CompiledLayers once compiled.compile_layers ran
+        self.compiled_head = None  # and its CompiledHead
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, ctx, compiled: bool = False) -> torch.Tensor:
@@ -181,10 +182,13 @@ class FusedDecoder:
             return self.norm(self.compiled(x, cos, sin, ctx))
         return self.norm(self.layer_stack(x, cos, sin, ctx))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """# hidden: [T, H] -> [T, V] in float32 (float64 stays float64)"""
+    def logits(self, hidden: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        """compiled: through the compiled head where compile_layers built it and it covers T rows.
+
+        # hidden: [T, H] -> [T, V] in float32 (float64 stays float64)"""
+        head = self.compiled_head
         with torch.inference_mode():
-            x = self.lm_head(hidden)
+            x = head(hidden) if compiled and head is not None and head.covers(hidden.shape[0]) else self.lm_head(hidden)
         return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
     def embed_rope(self, tokens: torch.Tensor, positions: torch.Tensor):

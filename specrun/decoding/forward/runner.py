@@ -41,8 +41,8 @@ class DecoderRunner:
         self.compiled = layers is not None and layers.runs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """# hidden: [T, H] -> [T, V] (FusedDecoder.logits)"""
-        return self.decoder.logits(hidden)
+        """# hidden: [T, H] -> [T, V] (FusedDecoder.logits; its compiled head where the layers run compiled)"""
+        return self.decoder.logits(hidden, self.compiled)
 
 
 class ModelRunner(DecoderRunner):
