@@ -88,8 +88,8 @@ class _Stack(torch.nn.Module):
 def compile_layers(dec, max_rows: int, measured: bool = False) -> None:
     """Run dec's forwards of up to max_rows rows (1-64) through compiled layers, loading (or building: progress on
     stderr) their packages now. CPU float32 or bfloat16; where our kernels run the layers (dec.cpu_layers) they stay
-    the path. measured (compile_layers auto): in bfloat16 a package of the layers serves only the row counts at which
-    it ran faster than the eager layers here (RowPackages.keep_faster), and in both dtypes one of the head so."""
+    the path. measured (compile_layers auto): in bfloat16 a package serves only the row counts at which it ran faster
+    than the eager layers (or head) here (RowPackages.keep_faster)."""
     w = dec.layers[0].qkv.weight
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"compiled layers run on the CPU in float32 or bfloat16, not {w.device.type} {w.dtype}")
@@ -98,9 +98,9 @@ def compile_layers(dec, max_rows: int, measured: bool = False) -> None:
     layers, head = _layers(dec), _head(dec)
     layers.warm(max_rows)
     head.warm(max_rows)
-    if measured and w.dtype == torch.bfloat16:  # float32's packages ran faster on every host measured; bf16's did not
+    if measured and w.dtype == torch.bfloat16:  # float32's packages ran faster on every host measured; bf16's did not.
+        # Untimed, float32's packages serve every row count: a verify's rows get an AR step's logits bit for bit
         layers.keep_faster(dec.layer_stack, max_rows)
-    if measured:  # the head's float32 packages are not measured on any host yet
         head.keep_faster(dec.lm_head, max_rows)
 
 
