@@ -134,6 +134,25 @@ def test_compiled_head_gives_each_row_its_one_row_logits(models):
     assert torch.equal(runner.logits(hidden), runner.decoder.lm_head(hidden).float()) and head.calls == calls + 6
 
 
+def test_keep_faster_times_the_head_with_the_caches_evicted_and_the_layers_as_they_run(models, monkeypatch):
+    """The head's weights stay cached while it is timed alone, not in a step (the layers' pass between): its
+    keep_faster evicts the caches before every timed call; the layers' (larger than a cache) does not."""
+    from specrun.decoding.forward import row_packages
+
+    runner = ModelRunner(models["qwen3"], max_rows=16)
+    runner.use_compiled(WARM)
+    dec, evictions = runner.decoder, []
+    monkeypatch.setattr(row_packages, "_evict", lambda: evictions.append(1))
+    for part, eager, cold in ((dec.compiled_head, dec.lm_head, True), (dec.compiled, dec.layer_stack, False)):
+        part.served.clear()
+        part.timings.clear()
+        before = len(evictions)
+        part.keep_faster(eager, 16, rounds=2)
+        assert part.timings and len(evictions) - before == (2 * 3 * len(part.timings) if cold else 0)
+        part.served.clear()  # as the fixture left them: every row count served
+        part.warm(WARM)
+
+
 def test_engines_through_compiled_layers_emit_their_ar_tokens(models):
     lm = models["qwen3"]
     params = SamplingParams(max_tokens=40, temperature=0.0)

@@ -205,6 +205,7 @@ class CompiledHead(RowPackages):
     eager head's time (docs/benchmarks.md, stop 84). Used where the layers run compiled (decoder.logits)."""
 
     what = "the LM head"
+    cold = True  # its weights fit a last-level cache while timed alone; in a step the layers' pass through it between
 
     def __init__(self, dec):
         super().__init__(_Head(dec.lm_head.weight, dec.lm_head.bias), HEAD_PREFIX)

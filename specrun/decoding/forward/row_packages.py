@@ -26,6 +26,7 @@ OPTIONS = {  # inductor: weights as constants (freezing), its C++ GEMM template,
     "cpp.gemm_max_k_slices": 1,
 }
 MAX_ROWS = ROW_BUCKETS[-1]  # rows of the largest call of a package; more rows run eagerly
+EVICT_BYTES = 128 << 20  # written between a cold timing's calls: more than a CPU's last-level cache holds
 
 
 def _key(rows: int) -> int | None:
@@ -37,6 +38,11 @@ def _keys(max_rows: int) -> tuple[int, ...]:
     return (1, 0) if max_rows > 1 else (1,)
 
 
+def _evict() -> None:
+    """EVICT_BYTES written: what the CPU's caches held is gone."""
+    torch.empty(EVICT_BYTES, dtype=torch.uint8).fill_(1)
+
+
 class RowPackages:
     """A module's packages, loaded from the cache or built at warm-up; `compile_seconds` records what each build took,
     `load_seconds` each load. A subclass names its packages (package_name), its inputs of R rows (example) and what
@@ -44,6 +50,7 @@ class RowPackages:
 
     inputs: tuple[str, ...] = ("x",)  # the module's forward arguments, each with rows on dim 0
     what = "a part"
+    cold = False  # keep_faster evicts the caches before each timed call (_flush): weights cached while timed, not in a step
 
     def __init__(self, module: torch.nn.Module, prefix: str):
         self.module, self.prefix = module.eval(), prefix
@@ -91,7 +98,7 @@ class RowPackages:
         for key in [k for k in self._fns if k not in self.served]:
             self.served[key] = 0
             for R in (1,) if key else [r for r in ROW_BUCKETS[2:] if r <= top]:
-                self.timings[R] = self._race(self._pair(self._fns[key], eager, R), rounds)
+                self.timings[R] = self._race(self._pair(self._fns[key], eager, R), rounds, self._flush)
                 if self.timings[R][1] >= self.timings[R][0]:
                     break
                 self.served[key] = R
@@ -105,13 +112,21 @@ class RowPackages:
         args = self.example(rows)
         return (lambda: eager(*args), lambda: fn(*args))
 
+    def _flush(self) -> None:
+        """Before each timed call (untimed): where `cold`, the caches evicted, so the call reads its weights from
+        memory as it does in a step."""
+        if self.cold:
+            _evict()
+
     @staticmethod
-    def _race(runs: tuple, rounds: int) -> tuple[float, float]:
-        """(eager ms, compiled ms): medians of `rounds` interleaved pairs after a pair that warms both."""
+    def _race(runs: tuple, rounds: int, before=lambda: None) -> tuple[float, float]:
+        """(eager ms, compiled ms): medians of `rounds` interleaved pairs after a pair that warms both, before() ahead
+        of each call."""
         times: tuple[list[float], list[float]] = ([], [])
         with torch.no_grad():
             for _ in range(rounds + 1):
                 for run, spent in zip(runs, times):
+                    before()
                     t0 = time.perf_counter()
                     run()
                     spent.append(time.perf_counter() - t0)
