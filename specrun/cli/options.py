@@ -104,10 +104,10 @@ engine_options = stack_options(
                  help="CPUs where specrun's kernels do not run: forwards of up to 64 rows through the layers and LM "
                       "head compiled ahead of time by inductor (AOTInductor, weights frozen in). Built once per "
                       "machine and model (about a minute for each of the layers' two packages on smollm2 with 2 "
-                      "threads: one row a forward, several; seconds for the head's), kept in the specrun cache, loaded in a second or two after. auto: at once where "
-                      "cached, else once a worker's generations ask for 16,384 new tokens in all; in bfloat16 each "
-                      "package serves only the row counts at which it ran faster than the eager layers (timed when "
-                      "loaded)."),
+                      "threads: one row a forward, several; seconds for the head's), kept in the specrun cache, "
+                      "loaded in a second or two after. auto: at once where cached, else once a worker's "
+                      "generations ask for 16,384 new tokens in all; in bfloat16 each package serves only the row "
+                      "counts at which it ran faster than the eager layers (timed when loaded)."),
     click.option("--compile-draft", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                  help="CPUs where specrun's kernels do not run: the quantized self-draft as one graph a drafted token "
                       "compiled ahead of time (AOTInductor), in place of ~1,000 eager ops; built once per machine and "

@@ -140,11 +140,10 @@ class CompiledLayers(RowPackages):
 
     def __init__(self, dec):
         super().__init__(_Stack(dec), PREFIX)
-        self.stack = self.module
         self.hidden = dec.layers[0].o.weight.shape[0]
 
     def example(self, rows: int) -> tuple[torch.Tensor, ...]:
-        w, D = self.stack.layers[0].w_qkv, self.stack.D
+        w, D = self.module.layers[0].w_qkv, self.module.D
         return w.new_ones(rows, self.hidden), w.new_ones(rows, 1, D), w.new_zeros(rows, 1, D)
 
     def _pair(self, fn, eager, rows: int) -> tuple:
@@ -157,7 +156,7 @@ class CompiledLayers(RowPackages):
     def package_name(self, key: int) -> str:
         """A name for a package of the stack (aot_package.name): its weights, shapes and constants, the traced code,
         the options."""
-        stack = self.stack
+        stack = self.module
         layers = [(L.scaling, aot_package.act_id(L.act), *map(repr, (L.ln1, L.ln2, L.q_norm, L.k_norm)))
                   for L in stack.layers]  # a norm's repr holds its epsilon
         return aot_package.name(PREFIX, "1" if key else "n", Path(__file__).parent, SOURCES, stack, key, MAX_ROWS,

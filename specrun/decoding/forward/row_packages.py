@@ -50,7 +50,7 @@ class RowPackages:
 
     inputs: tuple[str, ...] = ("x",)  # the module's forward arguments, each with rows on dim 0
     what = "a part"
-    cold = False  # keep_faster evicts the caches before each timed call (_flush): weights cached while timed, not in a step
+    cold = False  # keep_faster evicts the caches before each timed call: weights cached while timed, not in a step
 
     def __init__(self, module: torch.nn.Module, prefix: str):
         self.module, self.prefix = module.eval(), prefix
@@ -98,7 +98,7 @@ class RowPackages:
         for key in [k for k in self._fns if k not in self.served]:
             self.served[key] = 0
             for R in (1,) if key else [r for r in ROW_BUCKETS[2:] if r <= top]:
-                self.timings[R] = self._race(self._pair(self._fns[key], eager, R), rounds, self._flush)
+                self.timings[R] = self._race(self._pair(self._fns[key], eager, R), rounds, self.cold)
                 if self.timings[R][1] >= self.timings[R][0]:
                     break
                 self.served[key] = R
@@ -112,21 +112,16 @@ class RowPackages:
         args = self.example(rows)
         return (lambda: eager(*args), lambda: fn(*args))
 
-    def _flush(self) -> None:
-        """Before each timed call (untimed): where `cold`, the caches evicted, so the call reads its weights from
-        memory as it does in a step."""
-        if self.cold:
-            _evict()
-
     @staticmethod
-    def _race(runs: tuple, rounds: int, before=lambda: None) -> tuple[float, float]:
-        """(eager ms, compiled ms): medians of `rounds` interleaved pairs after a pair that warms both, before() ahead
-        of each call."""
+    def _race(runs: tuple, rounds: int, cold: bool = False) -> tuple[float, float]:
+        """(eager ms, compiled ms): medians of `rounds` interleaved pairs after a pair that warms both; cold: the caches
+        evicted (untimed) before each call, which then reads its weights from memory as it does in a step."""
         times: tuple[list[float], list[float]] = ([], [])
         with torch.no_grad():
             for _ in range(rounds + 1):
                 for run, spent in zip(runs, times):
-                    before()
+                    if cold:
+                        _evict()
                     t0 = time.perf_counter()
                     run()
                     spent.append(time.perf_counter() - t0)
