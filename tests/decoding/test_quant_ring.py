@@ -84,8 +84,9 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
             assert seen == [*range(2), *range(max(2, n + i + 1 - window), n + i)], (step, i)
             committed = torch.tensor([p for p in seen if p < n])
             slots = ring.slot(committed)
-            assert torch.equal(ring.k[0][:, :, slots].float(), runner.cache.k[:, :, committed])
-            assert torch.equal(ring.v[0][:, :, slots].float(), runner.cache.v[:, :, committed])
+            k, v = ring.kv(0)
+            assert torch.equal(k[:, :, slots].float(), runner.cache.k[:, :, committed])
+            assert torch.equal(v[:, :, slots].float(), runner.cache.v[:, :, committed])
             got.append(ring.candidates(i, [t], *every))
         fwd.begin([runner.cache], [n], 3)
         want = [fwd.logits(i, [t], *every)[0] for i, t in enumerate(tokens)]

@@ -16,7 +16,7 @@ import torch
 
 from specrun.decoding.drafters import quant_torch, ring_package
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward
-from specrun.decoding.drafters.ring_graph import Graph
+from specrun.decoding.drafters.ring_graph import BLOCK, Graph
 from specrun.decoding.forward import aot_package
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
@@ -50,10 +50,12 @@ class RingForward:
     def _alloc(self, span: int, rings: int) -> None:
         """Empty rings of `span` positions past the sinks (each synced from slot 0 at its next begin)."""
         dec = self.dec
-        self.span, R = span, self.sinks + span
+        # the keys' layout is whole blocks, two at least (ring_package); slots past the sinks and span hold no position
+        self.span, R = span, max(2, -(-(self.sinks + span) // BLOCK)) * BLOCK
+        Lyr, Hkv, D = len(dec.layers), dec.n_kv, dec.head_dim
         with torch.inference_mode():  # the drafting path records nothing for autograd
-            self.k = torch.zeros((rings, len(dec.layers), dec.n_kv, R, dec.head_dim), dtype=BF16)  # [C,Lyr,Hkv,R,D]
-            self.v = torch.zeros_like(self.k)
+            self.k = torch.zeros((rings, Lyr, Hkv, R // BLOCK, D, BLOCK), dtype=BF16)  # ring_graph.Graph's layouts
+            self.v = torch.zeros((rings, Lyr, Hkv, D, R), dtype=BF16)
             self.pos = torch.full((rings, R), -1, dtype=torch.long)  # the position each slot holds, -1: none
         self.upto = [0] * rings  # per ring: committed positions copied from its owner's cache
         self.owners = (self.owners + [None] * rings)[:rings]  # per ring: a weak reference to its owner, or None
@@ -61,6 +63,19 @@ class RingForward:
     def slot(self, p: torch.Tensor) -> torch.Tensor:
         """Ring slots of positions p (int64)."""
         return torch.where(p < self.sinks, p, self.sinks + (p - self.sinks) % self.span)
+
+    def _put(self, rings, s: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values into slots s of `rings` (an index or a tensor of them, one a slot).
+
+        # rings int, s: [N], k/v: [Lyr, Hkv, N, D]; or rings/s: [B], k/v: [B, Lyr, Hkv, D]
+        """
+        self.k.transpose(-1, -2)[rings, :, :, s // BLOCK, s % BLOCK] = k  # [C, Lyr, Hkv, R / BLOCK, BLOCK, D] view
+        self.v.transpose(-1, -2)[rings, :, :, s] = v  # [C, Lyr, Hkv, R, D] view
+
+    def kv(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring r's keys and values slot by slot. # -> k, v: [Lyr, Hkv, R, D] bf16 (copies)"""
+        k = self.k[r].transpose(-1, -2)  # [Lyr, Hkv, R / BLOCK, BLOCK, D]
+        return k.reshape(*k.shape[:2], -1, k.shape[-1]), self.v[r].transpose(-1, -2).clone()
 
     def warm(self, batched: bool = False) -> None:
         """The graph for one sequence a call, and with `batched` for several: loaded from the cache, else built (progress
@@ -108,14 +123,17 @@ class RingForward:
         return fn
 
     def _example(self, B: int) -> tuple:
-        """Inputs of the graph's shapes for B sequences (zeros: the export traces shapes, not values)."""
+        """Inputs of the graph's shapes for B sequences, its rings the longest (zeros: the export traces shapes, not
+        values; inductor sizes its loops' threads by these, so a short ring would leave the softmax on one)."""
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
         head = self.fwd.rows  # [V, H]
+        blocks = max(2, -(-(self.sinks + self.full) // BLOCK))  # _alloc's ring at the full span
         with torch.inference_mode():
-            k = torch.zeros((B, *self.k.shape[1:3], min(self.k.shape[3], 16), D), dtype=BF16)
+            k = torch.zeros((B, *self.k.shape[1:3], blocks, D, BLOCK), dtype=BF16)
+            v = torch.zeros((B, *self.v.shape[1:4], blocks * BLOCK), dtype=BF16)
             cos = torch.ones((B, 1, D), dtype=BF16)
-            return (torch.zeros((B, H), dtype=BF16), cos, torch.zeros_like(cos), k, torch.zeros_like(k),
-                    torch.zeros((B, k.shape[3])), torch.zeros((B, head.shape[0]), dtype=torch.int32),
+            return (torch.zeros((B, H), dtype=BF16), cos, torch.zeros_like(cos), k, v,
+                    torch.zeros((B, v.shape[-1])), torch.zeros((B, head.shape[0]), dtype=torch.int32),
                     torch.ones((B, 1)), torch.ones((B, 1)), head)
 
     def start(self) -> None:
@@ -186,8 +204,7 @@ class RingForward:
         p = torch.cat([torch.arange(a, b) for a, b in (head, tail) if a < b] or [torch.zeros(0, dtype=torch.long)])
         if p.numel():
             s = self.slot(p)
-            self.k[r][:, :, s] = cache.k[:, :, p].to(BF16)
-            self.v[r][:, :, s] = cache.v[:, :, p].to(BF16)
+            self._put(r, s, cache.k[:, :, p].to(BF16), cache.v[:, :, p].to(BF16))
             self.pos[r, s] = p
         self.upto[r] = n
 
@@ -208,8 +225,8 @@ class RingForward:
         """
         B, rows = len(tokens), self.rows
         n = self.lengths + i  # [B] these tokens' positions
-        K, V = (self.k, self.v) if self.whole else (self.k[rows], self.v[rows])  # [B, Lyr, Hkv, R, D]
-        mask = torch.zeros(B, K.shape[3]).masked_fill_(~self._visible(self.pos[rows], n[:, None]), float("-inf"))
+        K, V = (self.k, self.v) if self.whole else (self.k[rows], self.v[rows])  # ring_graph.Graph's layouts
+        mask = torch.zeros(B, V.shape[-1]).masked_fill_(~self._visible(self.pos[rows], n[:, None]), float("-inf"))
         x = self.dec.embed(torch.tensor(tokens)).to(BF16)  # [B, H]
         cos, sin = (t[:, i].contiguous() for t in (self.fwd.cos, self.fwd.sin))  # [B, 1, D]
         head = self.fwd.rows  # [V, H]
@@ -217,8 +234,7 @@ class RingForward:
         theta, below = (torch.tensor(t, dtype=torch.float32)[:, None] for t in (thetas, belows))  # [B, 1]
         logits, ids, k, v = self._call((x, cos, sin, K, V, mask, table, theta, below), head)
         s = self.slot(n)
-        self.k[rows, :, :, s] = k
-        self.v[rows, :, :, s] = v
+        self._put(rows, s, k, v)
         self.pos[rows, s] = n
         self.calls += B
         return logits, ids

@@ -16,6 +16,7 @@ from specrun.decoding.forward.decoder import mlp_residual, rotated_qkv
 OPTIONS = {"realize_reads_threshold": 1}
 # 8-bit layers (quant_torch.compiled_bits): inductor's C++ GEMM template for int8 weights, the weights frozen into it
 INT8 = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+BLOCK = 16  # ring slots a block of the keys' layout: a vector of scores (quant_ring keeps its rings' sizes multiples)
 CANDIDATES = 64  # a drafted token's candidates: the best of the penalised 4-bit logits, rescored by the model's own
 # head rows in the graph (the eager draft keeps every token within its margin: ~40 a row on smollm2, sampled)
 
@@ -34,23 +35,25 @@ class Graph(torch.nn.Module):
         self.bits, self.options = fwd.bits, options(fwd.bits)
 
     def forward(self, x, cos, sin, K, V, mask, counts, theta, below, rows):
-        """# x: [B, H] bf16, cos/sin: [B, 1, D], K/V: [B, Lyr, Hkv, R, D] bf16, mask: [B, R] float32 (0 or -inf),
-        counts: [B, V] int32, theta/below: [B, 1] float32, rows: [V, H] (the model's head, in its dtype)
+        """# x: [B, H] bf16, cos/sin: [B, 1, D], K: [B, Lyr, Hkv, R / BLOCK, D, BLOCK] bf16 (keys in blocks of slots,
+        each block's slots innermost), V: [B, Lyr, Hkv, D, R] bf16 (values transposed), mask: [B, R] float32 (0 or
+        -inf), counts: [B, V] int32, theta/below: [B, 1] float32, rows: [V, H] (the model's head, in its dtype)
         -> logits: [B, C] float32 (-inf: not a candidate), ids: [B, C] long ascending, k, v: [B, Lyr, Hkv, D] bf16
         (these tokens')"""
         nq, nkv, D = self.nq, self.nkv, self.D
-        B = x.shape[0]
+        B, R = x.shape[0], V.shape[-1]
         ks, vs = [], []
         for j, L in enumerate(self.layers):
             qk, v = rotated_qkv(L, x, cos, sin, nq, nkv, D)  # [B, nq + nkv, D], [B, nkv, D]
             q = qk[:, :nq].float().view(B, nkv, nq // nkv, D)  # query head h = kv_head * G + g
             k = qk[:, nq:]  # [B, Hkv, D]
-            s = (q[:, :, :, None, :] * K[:, j, :, None].float()).sum(-1) * L.scaling  # [B, Hkv, G, R]
-            s = s + mask[:, None, None]
+            # both products run along the slots, the reduction outside the vector: no horizontal sum a score
+            s = (q[:, :, :, None, :, None] * K[:, j, :, None].float()).sum(-2)  # [B, Hkv, G, R / BLOCK, BLOCK]
+            s = s.reshape(B, nkv, nq // nkv, R) * L.scaling + mask[:, None, None]  # [B, Hkv, G, R]
             own = (q * k.float()[:, :, None]).sum(-1, keepdim=True) * L.scaling  # [B, Hkv, G, 1]
             top = torch.maximum(s.amax(-1, keepdim=True), own)
             p, p_own = torch.exp(s - top), torch.exp(own - top)
-            o = ((p[..., None] * V[:, j, :, None].float()).sum(-2) + p_own * v.float()[:, :, None]) \
+            o = ((p[:, :, :, None, :] * V[:, j, :, None].float()).sum(-1) + p_own * v.float()[:, :, None]) \
                 / (p.sum(-1, keepdim=True) + p_own)  # [B, Hkv, G, D]
             x = x + L.o(o.reshape(B, nq * D).to(BF16))
             x = mlp_residual(L, x, self.inter)

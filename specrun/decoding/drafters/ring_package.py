@@ -67,9 +67,11 @@ def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, wher
     print(f"specrun: compiling the {graph.bits}-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
           f"(AOTInductor, 1-3 minutes once per machine and model; cached in {where.parent})", file=sys.stderr,
           flush=True)
-    keys = torch.export.Dim("R", min=2, max=max_keys)
+    # the keys' blocks of slots: a ring holds at least two (export fixes a dimension of size 1)
+    blocks = torch.export.Dim("RB", min=2, max=max(3, -(-max_keys // ring_graph.BLOCK)))
+    keys = ring_graph.BLOCK * blocks
     seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
-    dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: keys}, "V": {0: seqs, 3: keys},
+    dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: blocks}, "V": {0: seqs, 4: keys},
             "mask": {0: seqs, 1: keys}, "counts": {0: seqs}, "theta": {0: seqs}, "below": {0: seqs}, "rows": None}
     with torch.inference_mode():
         program = torch.export.export(graph, example, dynamic_shapes=dims)
