@@ -57,7 +57,10 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     """2 sinks and a short window over a 13-token prompt: four drafts of 3 tokens, 2 of each committed (the target's own
     K/V replace the drafted ones), the ring starting at `first` slots past the sinks. Each drafted token attends
     exactly the sinks and the window's positions before it, each committed one holding the target's K/V (in bf16);
-    its candidates' logits are the torch draft's over the target's cache so rounded (_near)."""
+    its candidates' logits are the torch draft's over the target's cache so rounded (_near). Blocks of 4 slots: the ring
+    grows through several whole blocks."""
+    monkeypatch.setattr(quant_ring, "BLOCK", 4)
+    monkeypatch.setattr(ring_graph, "BLOCK", 4)
     monkeypatch.setattr(quant_torch, "SINKS", 2)
     monkeypatch.setattr(quant_torch, "WINDOW", window)
     monkeypatch.setattr(quant_ring, "SPAN_STEP", first)
@@ -97,6 +100,7 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     assert ring.calls == 12 and runner.cache.length == len(PROMPT) + 8
     need = len(PROMPT) + 6 + 3 - 2  # the last draft's positions past the sinks: grown in steps to them, or to the whole
     assert ring.span == min(window + quant_ring.RESERVE, -(-need // first) * first)  # window and its reserve
+    assert ring.k.shape[3] * 4 == ring.v.shape[-1] == -(-(2 + ring.span) // 4) * 4  # whole blocks
 
 
 @pytest.mark.parametrize("cpu,bits", [("AVX2", 8), ("AVX512", 4), ("DEFAULT", 4)])

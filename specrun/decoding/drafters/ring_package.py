@@ -51,7 +51,7 @@ def package_name(fwd, bits: int, rows: int, max_keys: int) -> str:
     layers = [(L.scaling, aot_package.act_id(L.act), L.ln1.eps, L.ln2.eps,
                *(n if n is None else n.eps for n in (L.q_norm, L.k_norm))) for L in fwd.layers]
     return aot_package.name(PREFIX, "1" if rows == 1 else "n", Path(__file__).parent, SOURCES, _Source(dec), rows,
-                            max_keys, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers, fwd.norm.eps,
+                            max_keys, ring_graph.BLOCK, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers, fwd.norm.eps,
                             ring_graph.options(bits))
 
 
