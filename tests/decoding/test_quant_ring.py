@@ -59,7 +59,6 @@ def test_the_ring_holds_what_the_torch_draft_attends_and_drafts_as_it_does(smoot
     exactly the sinks and the window's positions before it, each committed one holding the target's K/V (in bf16);
     its candidates' logits are the torch draft's over the target's cache so rounded (_near). Blocks of 4 slots: the ring
     grows through several whole blocks."""
-    monkeypatch.setattr(quant_ring, "BLOCK", 4)
     monkeypatch.setattr(ring_graph, "BLOCK", 4)
     monkeypatch.setattr(quant_torch, "SINKS", 2)
     monkeypatch.setattr(quant_torch, "WINDOW", window)

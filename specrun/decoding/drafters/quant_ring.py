@@ -14,9 +14,9 @@ import weakref
 
 import torch
 
-from specrun.decoding.drafters import quant_torch, ring_package
+from specrun.decoding.drafters import quant_torch, ring_graph, ring_package
 from specrun.decoding.drafters.quant_torch import BF16, TorchForward
-from specrun.decoding.drafters.ring_graph import BLOCK, Graph
+from specrun.decoding.drafters.ring_graph import Graph
 from specrun.decoding.forward import aot_package
 
 RESERVE = 16  # ring slots past the window for a draft's own tokens (quant_draft.MAX_CHAIN + 1): none evicts a
@@ -50,15 +50,19 @@ class RingForward:
     def _alloc(self, span: int, rings: int) -> None:
         """Empty rings of `span` positions past the sinks (each synced from slot 0 at its next begin)."""
         dec = self.dec
-        # the keys' layout is whole blocks, two at least (ring_package); slots past the sinks and span hold no position
-        self.span, R = span, max(2, -(-(self.sinks + span) // BLOCK)) * BLOCK
+        self.span, R, blk = span, self._length(span), ring_graph.BLOCK
         Lyr, Hkv, D = len(dec.layers), dec.n_kv, dec.head_dim
         with torch.inference_mode():  # the drafting path records nothing for autograd
-            self.k = torch.zeros((rings, Lyr, Hkv, R // BLOCK, D, BLOCK), dtype=BF16)  # ring_graph.Graph's layouts
+            self.k = torch.zeros((rings, Lyr, Hkv, R // blk, D, blk), dtype=BF16)  # ring_graph.Graph's layouts
             self.v = torch.zeros((rings, Lyr, Hkv, D, R), dtype=BF16)
             self.pos = torch.full((rings, R), -1, dtype=torch.long)  # the position each slot holds, -1: none
         self.upto = [0] * rings  # per ring: committed positions copied from its owner's cache
         self.owners = (self.owners + [None] * rings)[:rings]  # per ring: a weak reference to its owner, or None
+
+    def _length(self, span: int) -> int:
+        """Slots of a ring `span` positions past the sinks: whole blocks of the keys' layout, two at least
+        (ring_package); the slots past sinks + span hold no position."""
+        return max(2, -(-(self.sinks + span) // ring_graph.BLOCK)) * ring_graph.BLOCK
 
     def slot(self, p: torch.Tensor) -> torch.Tensor:
         """Ring slots of positions p (int64)."""
@@ -69,7 +73,8 @@ class RingForward:
 
         # rings int, s: [N], k/v: [Lyr, Hkv, N, D]; or rings/s: [B], k/v: [B, Lyr, Hkv, D]
         """
-        self.k.transpose(-1, -2)[rings, :, :, s // BLOCK, s % BLOCK] = k  # [C, Lyr, Hkv, R / BLOCK, BLOCK, D] view
+        blk = ring_graph.BLOCK
+        self.k.transpose(-1, -2)[rings, :, :, s // blk, s % blk] = k  # [C, Lyr, Hkv, R / BLOCK, BLOCK, D] view
         self.v.transpose(-1, -2)[rings, :, :, s] = v  # [C, Lyr, Hkv, R, D] view
 
     def kv(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +113,7 @@ class RingForward:
 
     def _path(self, rows: int):
         if rows not in self._paths:  # the name hashes the weights: once a forward
-            self._paths[rows] = ring_package.path(self.fwd, self.bits, rows, self.sinks + self.full)
+            self._paths[rows] = ring_package.path(self.fwd, self.bits, rows, self._length(self.full))
         return self._paths[rows]
 
     def _package(self, rows: int):
@@ -116,7 +121,7 @@ class RingForward:
         fn = aot_package.load(where)
         if fn is None:  # ring_package.build says so on stderr
             example = self._example(1 if rows == 1 else 2)
-            fn = ring_package.build(self.graph, example, rows, self.sinks + self.full, where)
+            fn = ring_package.build(self.graph, example, rows, self._length(self.full), where)
             self.built += 1
             if self.bits != self.fwd.bits:  # the package holds its own copy of the layers: drop ours
                 self._graph = None
@@ -127,10 +132,10 @@ class RingForward:
         values; inductor sizes its loops' threads by these, so a short ring would leave the softmax on one)."""
         H, D = self.dec.layers[0].o.weight.shape[0], self.dec.head_dim
         head = self.fwd.rows  # [V, H]
-        blocks = max(2, -(-(self.sinks + self.full) // BLOCK))  # _alloc's ring at the full span
+        R = self._length(self.full)
         with torch.inference_mode():
-            k = torch.zeros((B, *self.k.shape[1:3], blocks, D, BLOCK), dtype=BF16)
-            v = torch.zeros((B, *self.v.shape[1:4], blocks * BLOCK), dtype=BF16)
+            k = torch.zeros((B, *self.k.shape[1:3], R // ring_graph.BLOCK, D, ring_graph.BLOCK), dtype=BF16)
+            v = torch.zeros((B, *self.v.shape[1:4], R), dtype=BF16)
             cos = torch.ones((B, 1, D), dtype=BF16)
             return (torch.zeros((B, H), dtype=BF16), cos, torch.zeros_like(cos), k, v,
                     torch.zeros((B, v.shape[-1])), torch.zeros((B, head.shape[0]), dtype=torch.int32),

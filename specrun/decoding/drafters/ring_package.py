@@ -51,8 +51,8 @@ def package_name(fwd, bits: int, rows: int, max_keys: int) -> str:
     layers = [(L.scaling, aot_package.act_id(L.act), L.ln1.eps, L.ln2.eps,
                *(n if n is None else n.eps for n in (L.q_norm, L.k_norm))) for L in fwd.layers]
     return aot_package.name(PREFIX, "1" if rows == 1 else "n", Path(__file__).parent, SOURCES, _Source(dec), rows,
-                            max_keys, ring_graph.BLOCK, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers, fwd.norm.eps,
-                            ring_graph.options(bits))
+                            max_keys, ring_graph.BLOCK, bits, dec.n_q, dec.n_kv, dec.head_dim, dec.inter, layers,
+                            fwd.norm.eps, ring_graph.options(bits))
 
 
 def path(fwd, bits: int, rows: int, max_keys: int) -> Path:
@@ -62,13 +62,14 @@ def path(fwd, bits: int, rows: int, max_keys: int) -> Path:
 
 
 def build(graph: torch.nn.Module, example: tuple, rows: int, max_keys: int, where: Path):
-    """Export graph at the example's shapes (the keys dynamic up to max_keys, and the sequences where rows is 0) and
-    write its package (aot_package.write), with progress on stderr; returns the loaded callable."""
+    """Export graph at the example's shapes (the keys dynamic up to max_keys, a multiple of ring_graph.BLOCK, and the
+    sequences where rows is 0) and write its package (aot_package.write), with progress on stderr; returns the loaded
+    callable."""
     print(f"specrun: compiling the {graph.bits}-bit self-draft for {'one sequence' if rows == 1 else 'several'} a call "
           f"(AOTInductor, 1-3 minutes once per machine and model; cached in {where.parent})", file=sys.stderr,
           flush=True)
     # the keys' blocks of slots: a ring holds at least two (export fixes a dimension of size 1)
-    blocks = torch.export.Dim("RB", min=2, max=max(3, -(-max_keys // ring_graph.BLOCK)))
+    blocks = torch.export.Dim("RB", min=2, max=max(3, max_keys // ring_graph.BLOCK))
     keys = ring_graph.BLOCK * blocks
     seqs = torch.export.Dim.STATIC if rows == 1 else torch.export.Dim("B", min=2, max=MAX_ROWS)
     dims = {"x": {0: seqs}, "cos": {0: seqs}, "sin": {0: seqs}, "K": {0: seqs, 3: blocks}, "V": {0: seqs, 4: keys},
